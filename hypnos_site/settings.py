@@ -1,0 +1,149 @@
+"""Django settings, derived from `hypnos.toml` and `HYPNOS_*` variables (hypnos_site.config)."""
+
+from __future__ import annotations
+
+import os
+
+import dj_database_url
+
+from hypnos_site.config import BASE_DIR, get_config
+
+HYPNOS = get_config()
+
+SECRET_KEY = os.environ.get("HYPNOS_SECRET_KEY") or "hypnos-local-" + str(HYPNOS.data_dir)
+DEBUG = os.environ.get("HYPNOS_DEBUG", "") == "1"
+ALLOWED_HOSTS = ["*"]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "corsheaders",
+    "rest_framework",
+    "channels",
+    "models_registry",
+    "logs",
+    "inference",
+]
+
+MIDDLEWARE = [
+    "inference.middleware.RequestIdMiddleware",
+    "inference.middleware.BodyLimitMiddleware",
+    "corsheaders.middleware.CorsMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+ROOT_URLCONF = "hypnos_site.urls"
+ASGI_APPLICATION = "hypnos_site.asgi.application"
+APPEND_SLASH = False
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+_default_db = f"sqlite:///{HYPNOS.data_dir / 'hypnos.sqlite3'}"
+DATABASES = {
+    "default": dj_database_url.parse(HYPNOS.server.database_url or _default_db, conn_max_age=60)
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    HYPNOS.data_dir.mkdir(parents=True, exist_ok=True)
+    # Several threads of one process write the request log; wait instead of failing.
+    DATABASES["default"]["OPTIONS"] = {"timeout": 20}
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+if HYPNOS.server.deployment == "distributed":
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [HYPNOS.server.redis_url], "capacity": 1000, "expiry": 60},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# Django reads whole bodies into memory up to this size; above it RequestDataTooBig (413).
+DATA_UPLOAD_MAX_MEMORY_SIZE = HYPNOS.limits.max_body_bytes
+FILE_UPLOAD_MAX_MEMORY_SIZE = 8 << 20
+
+REST_FRAMEWORK = {
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_AUTHENTICATION_CLASSES": ["models_registry.authentication.ApiKeyAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["models_registry.authentication.HasApiKeyWhenRequired"],
+    "EXCEPTION_HANDLER": "inference.errors.exception_handler",
+    "UNAUTHENTICATED_USER": None,
+}
+
+# CORS (spec §1): loopback origins by default, `server.allowed_origins` adds more.
+CORS_ALLOWED_ORIGIN_REGEXES = [
+    r"^https?://(localhost|127\.\d+\.\d+\.\d+|\[::1\])(:\d+)?$",
+    *[
+        "^" + o.rstrip("/").replace(".", r"\.").replace(":*", r"(:\d+)?").replace("*", r"[^/]*") + "$"
+        for o in HYPNOS.server.allowed_origins
+    ],
+]
+CORS_ALLOW_METHODS = ["GET", "POST", "OPTIONS"]
+CORS_EXPOSE_HEADERS = [
+    "x-request-id",
+    "x-hypnos-previous-tier",
+    "x-hypnos-gpu-layers",
+    "x-hypnos-switch-ms",
+    "x-hypnos-inference-ms",
+    "x-hypnos-audio-secs",
+    "x-hypnos-rtf",
+    "x-hypnos-estimated-wait-ms",
+    "retry-after",
+]
+CORS_ALLOW_HEADERS = [
+    "authorization",
+    "content-type",
+    "x-hypnos-next-model",
+    "x-hypnos-deadline-ms",
+    "x-hypnos-workflow",
+    "x-hypnos-workflow-end",
+    "openai-organization",
+    "openai-project",
+    "x-stainless-arch",
+    "x-stainless-lang",
+    "x-stainless-os",
+    "x-stainless-package-version",
+    "x-stainless-runtime",
+    "x-stainless-runtime-version",
+    "x-stainless-retry-count",
+    "x-stainless-timeout",
+]
+
+STATIC_URL = "static/"
+STATIC_ROOT = HYPNOS.data_dir / "static"
+USE_TZ = True
+TIME_ZONE = "UTC"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("HYPNOS_LOG_LEVEL", "INFO")},
+    "loggers": {"django.request": {"level": "ERROR"}},
+}

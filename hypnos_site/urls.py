@@ -1,0 +1,16 @@
+from django.contrib import admin
+from django.urls import include, path
+
+from inference import views
+
+urlpatterns = [
+    path("health", views.health),
+    path("ready", views.ready),
+    path("admin/", admin.site.urls),
+    path("v1/", include("inference.urls")),
+    # Lemonade clients talk to /api/v1 (compat.md).
+    path("api/v1/", include("inference.urls")),
+]
+
+handler404 = "inference.views.handler404"
+handler500 = "inference.views.handler500"

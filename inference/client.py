@@ -1,0 +1,205 @@
+"""The InferenceClient: the only way views reach the worker, over one of two transports.
+
+- `InProcessTransport` (embedded): the worker lives in this process; events cross from its
+  threads into the caller's event loop.
+- `ChannelLayerTransport` (distributed): requests go to the `hypnos.inference` channel that every
+  `manage.py runinference` listens on; events come back on a per-request reply channel, numbered,
+  so a lost message is an error and not a silent gap. A worker that does not acknowledge within
+  `server.worker_ack_timeout_secs` is a 503, never a hang.
+
+Both pass the same plain-dict messages, so both deployments run the same worker code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any
+
+from inference.errors import HypnosError, ModelNotAvailable, ServerError
+
+log = logging.getLogger(__name__)
+
+Event = dict[str, Any]
+REQUEST_CHANNEL = "hypnos.inference"
+STATUS_TIMEOUT_SECS = 2.0
+NO_WORKER = "No inference worker answered within {secs:g} s; start one with `manage.py runinference`."
+
+
+class InferenceCall(ABC):
+    """One request in flight: its events in order, and a way to stop it."""
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.finished = False
+
+    @abstractmethod
+    async def next_event(self) -> Event: ...
+
+    @abstractmethod
+    async def abort(self) -> None: ...
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every event until the terminal `done` or `error` (included)."""
+        while not self.finished:
+            event = await self.next_event()
+            if event["kind"] in ("done", "error"):
+                self.finished = True
+            yield event
+
+
+class Transport(ABC):
+    @abstractmethod
+    async def submit(self, request: dict[str, Any]) -> InferenceCall: ...
+
+    @abstractmethod
+    async def status(self) -> dict[str, Any] | None:
+        """The worker's status, or None when no worker answers."""
+
+
+class InferenceClient:
+    def __init__(self, transport: Transport):
+        self.transport = transport
+
+    async def start(self, op: str, model: str, payload: dict[str, Any], request_id: str | None = None) -> tuple[InferenceCall, Event]:
+        """Submit a request and wait until the worker has started it (model loaded, engine
+        running). Raises the typed error when the worker refuses it, so that every 4xx/5xx
+        is known before a streaming response sends its first byte."""
+        request = {"request_id": request_id or "req-" + uuid.uuid4().hex, "op": op, "model": model, "payload": payload}
+        call = await self.transport.submit(request)
+        try:
+            event = await call.next_event()
+        except BaseException:
+            await call.abort()
+            raise
+        if event["kind"] == "error":
+            call.finished = True
+            raise HypnosError.from_event(event)
+        return call, event
+
+    async def status(self) -> dict[str, Any] | None:
+        return await self.transport.status()
+
+
+class _QueueCall(InferenceCall):
+    def __init__(self, request_id: str, queue: asyncio.Queue[Event]):
+        super().__init__(request_id)
+        self.queue = queue
+
+    async def next_event(self) -> Event:
+        return await self.queue.get()
+
+
+class InProcessTransport(Transport):
+    def __init__(self, worker: Any):
+        self.worker = worker
+
+    async def submit(self, request: dict[str, Any]) -> InferenceCall:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+
+        def sink(event: Event) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        call = _InProcessCall(request["request_id"], queue, self.worker)
+        self.worker.submit(request, sink)
+        return call
+
+    async def status(self) -> dict[str, Any] | None:
+        return self.worker.status()
+
+
+class _InProcessCall(_QueueCall):
+    def __init__(self, request_id: str, queue: asyncio.Queue[Event], worker: Any):
+        super().__init__(request_id, queue)
+        self.worker = worker
+
+    async def abort(self) -> None:
+        self.worker.abort(self.request_id)
+
+
+class ChannelLayerTransport(Transport):
+    def __init__(self, layer: Any, ack_timeout_secs: float):
+        self.layer = layer
+        self.ack_timeout = ack_timeout_secs
+
+    async def submit(self, request: dict[str, Any]) -> InferenceCall:
+        reply = await self.layer.new_channel("hypnos.reply.")
+        message = {
+            "type": "inference.request",
+            "reply_channel": reply,
+            # A worker that picks this up after the web gave up drops it instead of running it.
+            "ack_deadline": time.time() + self.ack_timeout,
+            **request,
+        }
+        await self.layer.send(REQUEST_CHANNEL, message)
+        return _ChannelCall(request["request_id"], self.layer, reply, self.ack_timeout)
+
+    async def status(self) -> dict[str, Any] | None:
+        reply = await self.layer.new_channel("hypnos.reply.")
+        await self.layer.send(REQUEST_CHANNEL, {"type": "inference.status", "reply_channel": reply,
+                                                "ack_deadline": time.time() + STATUS_TIMEOUT_SECS})
+        try:
+            message = await asyncio.wait_for(self.layer.receive(reply), STATUS_TIMEOUT_SECS)
+        except asyncio.TimeoutError:
+            return None
+        return message["status"]
+
+
+class _ChannelCall(InferenceCall):
+    def __init__(self, request_id: str, layer: Any, reply: str, ack_timeout: float):
+        super().__init__(request_id)
+        self.layer, self.reply, self.ack_timeout = layer, reply, ack_timeout
+        self.worker_channel: str | None = None
+        self.expected_seq = 0
+
+    async def next_event(self) -> Event:
+        while True:
+            if self.worker_channel is None:
+                try:
+                    message = await asyncio.wait_for(self.layer.receive(self.reply), self.ack_timeout)
+                except asyncio.TimeoutError:
+                    raise ModelNotAvailable(NO_WORKER.format(secs=self.ack_timeout)) from None
+            else:
+                message = await self.layer.receive(self.reply)
+            if message.get("seq") != self.expected_seq:
+                raise ServerError(
+                    f"reply {self.expected_seq} from the inference worker was lost (got {message.get('seq')})"
+                )
+            self.expected_seq += 1
+            event = message["event"]
+            if event["kind"] == "accepted":
+                self.worker_channel = event["worker_channel"]
+                continue
+            return event
+
+    async def abort(self) -> None:
+        if self.worker_channel is None or self.finished:
+            return
+        self.finished = True
+        await self.layer.send(self.worker_channel, {"type": "inference.abort", "request_id": self.request_id})
+
+
+_client: InferenceClient | None = None
+
+
+def get_client() -> InferenceClient:
+    """The process's client, on the transport its deployment uses."""
+    global _client
+    if _client is None:
+        from django.conf import settings
+
+        if settings.HYPNOS.server.deployment == "distributed":
+            from channels.layers import get_channel_layer
+
+            transport: Transport = ChannelLayerTransport(get_channel_layer(), settings.HYPNOS.server.worker_ack_timeout_secs)
+        else:
+            from inference.worker import get_embedded_worker
+
+            transport = InProcessTransport(get_embedded_worker())
+        _client = InferenceClient(transport)
+    return _client

@@ -1,0 +1,136 @@
+"""The engine interface every model kind implements; only the worker imports engines."""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hypnos_site.config import ModelConfig
+from memory.tiers import Placement
+
+
+@dataclass
+class LoadPhases:
+    """What a load cost, reported as `tier_switch_phases` (spec §5)."""
+
+    load_mode: str
+    weights_ms: float
+    context_ms: float
+    total_ms: float
+    projector_ms: float = 0.0
+
+    def plus(self, other: LoadPhases) -> LoadPhases:
+        return LoadPhases(
+            load_mode=other.load_mode,
+            weights_ms=self.weights_ms + other.weights_ms,
+            context_ms=self.context_ms + other.context_ms,
+            total_ms=self.total_ms + other.total_ms,
+            projector_ms=self.projector_ms + other.projector_ms,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "load_mode": self.load_mode,
+            "weights_ms": round(self.weights_ms, 1),
+            "projector_ms": round(self.projector_ms, 1),
+            "context_ms": round(self.context_ms, 1),
+            "total_ms": round(self.total_ms, 1),
+        }
+
+
+@dataclass
+class ChatWork:
+    """One chat request as the worker receives it (already validated by the web process)."""
+
+    messages: list[dict[str, Any]]
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    num_ctx: int | None = None
+
+
+@dataclass
+class ChatResult:
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    prefill_ms: float
+    decode_ms: float
+    ttft_ms: float
+
+    def engine_timings(self) -> dict[str, Any]:
+        prefill_tokens = max(self.prompt_tokens - self.cached_tokens, 0)
+        decoded = max(self.completion_tokens - 1, 0)
+        return {
+            "prefill_ms": round(self.prefill_ms, 1),
+            "decode_ms": round(self.decode_ms, 1),
+            "ttft_ms": round(self.ttft_ms, 1),
+            "prefill_tokens_per_s": round(prefill_tokens / (self.prefill_ms / 1000), 1) if self.prefill_ms > 0 else 0.0,
+            "decode_tokens_per_s": round(decoded / (self.decode_ms / 1000), 1) if self.decode_ms > 0 else 0.0,
+            "cached_tokens": self.cached_tokens,
+            "concurrent_slots": 1,
+        }
+
+
+class Engine(ABC):
+    """A loaded-or-not model of one engine kind. Methods are called from worker threads, one
+    request at a time per engine (the worker's slots guard that)."""
+
+    #: How many requests may run at once on one loaded engine.
+    max_concurrency = 1
+
+    def __init__(self, model: ModelConfig, weights: Path, n_threads: int | None):
+        self.model = model
+        self.weights = weights
+        self.n_threads = n_threads
+
+    @property
+    @abstractmethod
+    def loaded(self) -> bool: ...
+
+    @property
+    def context_len(self) -> int:
+        """The context the loaded engine funds (0 when not loaded or not a text model)."""
+        return 0
+
+    @property
+    def trained_context_len(self) -> int:
+        """The longest context the model supports, once known (0 when unknown)."""
+        return 0
+
+    @abstractmethod
+    def load(self, context_len: int) -> LoadPhases:
+        """Make the engine ready to serve with at least `context_len` tokens of context."""
+
+    @abstractmethod
+    def unload(self) -> None:
+        """Release everything the engine holds."""
+
+    @abstractmethod
+    def placement(self) -> Placement:
+        """Where the model's bytes are now."""
+
+    def chat(self, work: ChatWork, cancel: threading.Event, on_delta: Callable[[str], None]) -> ChatResult:
+        raise NotImplementedError(f"{type(self).__name__} does not serve chat completions")
+
+
+ENGINE_CLASSES = {"ggml_llama": "inference.engines.llama.LlamaEngine"}
+
+
+def engine_class(kind: str) -> type[Engine]:
+    """The engine class for a model block's `engine`, imported on first use (worker only)."""
+    try:
+        dotted = ENGINE_CLASSES[kind]
+    except KeyError:
+        raise NotImplementedError(f"engine {kind!r} is not available in this build") from None
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,194 @@
+"""The one choke point for errors: typed exceptions and their mapping to the spec's envelope.
+
+Engines and the worker raise these; they travel between processes as plain dicts
+(`as_event` / `from_event`); the DRF exception handler and the stream writer render them as
+`{"error": {"message", "type", "param", "code"}}` (compat.md) with the spec's status.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.http import JsonResponse
+from rest_framework import exceptions as drf
+
+log = logging.getLogger(__name__)
+
+
+class HypnosError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+    headers: dict[str, str] = {}
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code or self.type,
+            }
+        }
+
+    def response(self) -> JsonResponse:
+        response = JsonResponse(self.body(), status=self.status)
+        for name, value in self.headers.items():
+            response[name] = value
+        return response
+
+    def as_event(self) -> dict[str, Any]:
+        return {
+            "kind": "error",
+            "error_class": type(self).__name__,
+            "message": self.message,
+            "param": self.param,
+            "code": self.code,
+        }
+
+    @staticmethod
+    def from_event(event: dict[str, Any]) -> HypnosError:
+        cls = _BY_NAME.get(event.get("error_class", ""), ServerError)
+        return cls(event.get("message", "inference failed"), param=event.get("param"), code=event.get("code"))
+
+
+class InvalidRequest(HypnosError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class AuthenticationError(HypnosError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+    headers = {"WWW-Authenticate": 'Bearer realm="hypnos"'}
+
+
+class PermissionDenied(HypnosError):
+    status = 403
+    type = "permission_denied"
+
+
+class NotFound(HypnosError):
+    status = 404
+    type = "not_found"
+
+
+class ModelNotFound(HypnosError):
+    status = 404
+    type = "model_not_found"
+
+
+class ModelDisabled(HypnosError):
+    status = 404
+    type = "model_disabled"
+
+
+class MethodNotAllowed(HypnosError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class ModelBusy(HypnosError):
+    status = 429
+    type = "model_busy"
+
+
+class Cancelled(HypnosError):
+    status = 499
+    type = "cancelled"
+
+
+class ModelNotAvailable(HypnosError):
+    status = 503
+    type = "model_not_available"
+    headers = {"Retry-After": "5"}
+
+
+class DeadlineUnmeetable(HypnosError):
+    status = 503
+    type = "deadline_unmeetable"
+    headers = {"Retry-After": "1"}
+
+
+class EngineTimeout(HypnosError):
+    status = 504
+    type = "timeout"
+
+
+class InsufficientMemory(HypnosError):
+    status = 507
+    type = "insufficient_vram_or_ram"
+
+
+class ProcessMemoryCap(HypnosError):
+    status = 507
+    type = "process_memory_cap"
+
+
+class DeviceOutOfMemory(HypnosError):
+    status = 507
+    type = "device_out_of_memory"
+
+
+class ServerError(HypnosError):
+    status = 500
+    type = "server_error"
+
+
+def _subclasses(cls: type[HypnosError]) -> list[type[HypnosError]]:
+    found = []
+    for sub in cls.__subclasses__():
+        found += [sub, *_subclasses(sub)]
+    return found
+
+
+_BY_NAME = {cls.__name__: cls for cls in _subclasses(HypnosError)}
+
+STILL_STAGING = (
+    "Hypnos is still pre-staging its startup models; retry shortly "
+    "(GET /ready reports when it is done)"
+)
+
+
+def _from_drf(exc: drf.APIException) -> HypnosError:
+    if isinstance(exc, drf.ParseError):
+        return InvalidRequest(f"We could not parse the JSON body of your request: {exc.detail}")
+    if isinstance(exc, (drf.NotAuthenticated, drf.AuthenticationFailed)):
+        return AuthenticationError(str(exc.detail))
+    if isinstance(exc, drf.PermissionDenied):
+        return PermissionDenied(str(exc.detail))
+    if isinstance(exc, drf.MethodNotAllowed):
+        return MethodNotAllowed(str(exc.detail))
+    if isinstance(exc, drf.UnsupportedMediaType):
+        err = InvalidRequest(str(exc.detail), code="unsupported_media_type")
+        err.status = 415
+        return err
+    if isinstance(exc, drf.NotFound):
+        return NotFound(str(exc.detail))
+    err = InvalidRequest(str(exc.detail))
+    err.status = exc.status_code
+    return err
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> JsonResponse | None:
+    """DRF's EXCEPTION_HANDLER: every error of a /v1 view leaves through here."""
+    if isinstance(exc, drf.APIException):
+        exc = _from_drf(exc)
+    if not isinstance(exc, HypnosError):
+        log.exception("unhandled error in %s", context.get("view"))
+        exc = ServerError(f"internal error: {type(exc).__name__}")
+    return exc.response()

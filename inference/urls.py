@@ -1,0 +1,9 @@
+from django.urls import path, re_path
+
+from inference import views
+
+urlpatterns = [
+    path("chat/completions", views.ChatCompletionsView.as_view()),
+    path("models", views.ModelListView.as_view()),
+    re_path(r"^.*$", views.UnknownRouteView.as_view()),
+]

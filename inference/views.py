@@ -1,0 +1,66 @@
+"""Thin `/v1` routes: parse the body, call one serving function, return JSON or a stream."""
+
+from __future__ import annotations
+
+import time
+
+from adrf.views import APIView
+from django.conf import settings
+from django.http import HttpRequest, JsonResponse
+from rest_framework.request import Request
+
+from hypnos_site import __version__
+from inference.client import get_client
+from inference.errors import NotFound
+from inference.protocol import ChatCompletionRequest, parse_body
+from inference.serving import chat, models
+
+STARTED_AT = time.time()
+
+
+class ChatCompletionsView(APIView):
+    async def post(self, request: Request) -> object:
+        body = parse_body(ChatCompletionRequest, request.data)
+        return await chat.create_chat_completion(get_client(), body, request._request.hypnos_request_id)
+
+
+class ModelListView(APIView):
+    async def get(self, request: Request) -> JsonResponse:
+        return JsonResponse(await models.list_models(get_client()))
+
+
+class UnknownRouteView(APIView):
+    """Any other /v1 path: an OpenAI-shaped 404, never HTML."""
+
+    def _not_found(self, request: Request, *args: object, **kwargs: object) -> None:
+        raise NotFound(f"Unknown route {request.method} {request.path}.")
+
+    get = post = put = patch = delete = _not_found
+
+
+async def health(request: HttpRequest) -> JsonResponse:
+    return JsonResponse(
+        {"status": "ok", "service": "hypnos", "version": __version__, "uptime_secs": int(time.time() - STARTED_AT)}
+    )
+
+
+async def ready(request: HttpRequest) -> JsonResponse:
+    status = await get_client().status()
+    if status is None:
+        return JsonResponse({"ready": False, "reason": "no inference worker is answering"}, status=503)
+    if not status["ready"]:
+        return JsonResponse({"ready": False, "reason": "startup tier initialization in progress"}, status=503)
+    return JsonResponse({"ready": True})
+
+
+def handler404(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:
+    return NotFound(f"Unknown route {request.method} {request.path}.").response()
+
+
+def handler500(request: HttpRequest) -> JsonResponse:
+    from inference.errors import ServerError
+
+    return ServerError("internal error").response()
+
+
+__all__ = ["settings"]

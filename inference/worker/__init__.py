@@ -1,0 +1,25 @@
+"""The inference worker. Importing it does not import any engine library."""
+
+from __future__ import annotations
+
+import threading
+
+from inference.worker.core import Worker
+
+_worker: Worker | None = None
+_worker_lock = threading.Lock()
+
+
+def get_embedded_worker() -> Worker:
+    """The in-process worker of the embedded deployment, created and started on first use."""
+    global _worker
+    with _worker_lock:
+        if _worker is None:
+            from django.conf import settings
+
+            _worker = Worker(settings.HYPNOS)
+            _worker.start()
+        return _worker
+
+
+__all__ = ["Worker", "get_embedded_worker"]

@@ -1,0 +1,101 @@
+"""The worker's side of the channel-layer transport (`manage.py runinference`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from inference.client import REQUEST_CHANNEL
+from inference.worker.core import Worker
+
+log = logging.getLogger(__name__)
+# Deltas waiting together are sent as one message; this bounds how long the first one waits.
+DELTA_BATCH_SECS = 0.005
+
+
+class ChannelServer:
+    """Receives requests from the shared channel, aborts on its own channel, and streams
+    each request's events back in order on the request's reply channel."""
+
+    def __init__(self, worker: Worker, layer: Any):
+        self.worker = worker
+        self.layer = layer
+        self.own_channel = ""
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        self.own_channel = await self.layer.new_channel("hypnos.worker.")
+        log.info("inference worker listening on %s (aborts on %s)", REQUEST_CHANNEL, self.own_channel)
+        receivers = [
+            asyncio.create_task(self._receive_loop(REQUEST_CHANNEL)),
+            asyncio.create_task(self._receive_loop(self.own_channel)),
+        ]
+        await stop.wait()
+        for task in receivers:
+            task.cancel()
+        await asyncio.gather(*receivers, return_exceptions=True)
+
+    async def _receive_loop(self, channel: str) -> None:
+        while True:
+            message = await self.layer.receive(channel)
+            try:
+                await self._dispatch(message)
+            except Exception:
+                log.exception("could not handle %s", message.get("type"))
+
+    async def _dispatch(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        if kind == "inference.abort":
+            self.worker.abort(message["request_id"])
+            return
+        if message.get("ack_deadline", 0) < time.time():
+            log.warning("dropping %s %s: the web process stopped waiting for it", kind, message.get("request_id", ""))
+            return
+        if kind == "inference.status":
+            await self.layer.send(message["reply_channel"], {"status": self.worker.status()})
+        elif kind == "inference.request":
+            self._track(asyncio.create_task(self._run(message)))
+
+    def _track(self, task: asyncio.Task[None]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, message: dict[str, Any]) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        reply = message["reply_channel"]
+        seq = 0
+
+        async def send(event: dict[str, Any]) -> None:
+            nonlocal seq
+            await self.layer.send(reply, {"seq": seq, "event": event})
+            seq += 1
+
+        await send({"kind": "accepted", "worker_channel": self.own_channel})
+        self.worker.submit(message, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
+        while True:
+            event = await queue.get()
+            if event["kind"] == "delta":
+                await asyncio.sleep(DELTA_BATCH_SECS)
+                event, terminal = _merge_deltas(event, queue)
+                await send(event)
+                if terminal is None:
+                    continue
+                event = terminal
+            await send(event)
+            if event["kind"] in ("done", "error"):
+                return
+
+
+def _merge_deltas(first: dict[str, Any], queue: asyncio.Queue[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Join the deltas already queued behind `first`; return the joined delta and the next
+    non-delta event if one was taken off the queue."""
+    text = [first["text"]]
+    while not queue.empty():
+        event = queue.get_nowait()
+        if event["kind"] != "delta":
+            return {"kind": "delta", "text": "".join(text)}, event
+        text.append(event["text"])
+    return {"kind": "delta", "text": "".join(text)}, None

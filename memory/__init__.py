@@ -1,0 +1,1 @@
+"""The tier manager's core: plain Python, no Django, no engine imports."""

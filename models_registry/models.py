@@ -1,0 +1,48 @@
+"""API keys stored hashed; the clear key is shown once, when it is created."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from django.db import models
+
+KEY_PREFIX = "hyp_"
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class ApiKey(models.Model):
+    label = models.CharField(max_length=100, unique=True)
+    key_hash = models.CharField(max_length=64, unique=True, editable=False)
+    # The first characters of the key, so an operator can tell keys apart in the admin.
+    key_prefix = models.CharField(max_length=16, editable=False)
+    admin = models.BooleanField(default=False, help_text="May change the model pool.")
+    active = models.BooleanField(default=True)
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    max_concurrent = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_day = models.PositiveIntegerField(null=True, blank=True)
+    created = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        verbose_name = "API key"
+        ordering = ["label"]
+
+    def __str__(self) -> str:
+        return f"{self.label} ({self.key_prefix}…)"
+
+    def set_new_key(self) -> str:
+        """Give this record a fresh random key and return it in clear (the only time it is)."""
+        key = KEY_PREFIX + secrets.token_urlsafe(32)
+        self.key_hash = hash_key(key)
+        self.key_prefix = key[:12]
+        return key
+
+    @classmethod
+    def create_key(cls, label: str, **fields: object) -> tuple[ApiKey, str]:
+        record = cls(label=label, **fields)
+        key = record.set_new_key()
+        record.save()
+        return record, key

@@ -68,6 +68,8 @@ class ServerConfig(_Strict):
     models_dir: str | None = None
     database_url: str | None = None
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Keys of the channel layer in Redis start with this; separate servers on one Redis need their own.
+    channel_prefix: str = "hypnos"
     # How long the web process waits for a worker to acknowledge a request (distributed).
     worker_ack_timeout_secs: float = Field(default=5.0, gt=0)
     metrics_require_auth: bool = False
@@ -173,7 +175,7 @@ def _env_overrides(env: dict[str, str]) -> dict[str, dict[str, object]]:
         server["api_keys"] = [k.strip() for k in env["HYPNOS_API_KEYS"].split(",") if k.strip()]
     if "HYPNOS_DEPLOYMENT" in env:
         server["deployment"] = env["HYPNOS_DEPLOYMENT"]
-    for name in ("database_url", "redis_url", "data_dir", "models_dir"):
+    for name in ("database_url", "redis_url", "channel_prefix", "data_dir", "models_dir"):
         if f"HYPNOS_{name.upper()}" in env:
             server[name] = env[f"HYPNOS_{name.upper()}"]
     hardware: dict[str, object] = {}

@@ -76,7 +76,12 @@ if HYPNOS.server.deployment == "distributed":
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [HYPNOS.server.redis_url], "capacity": 1000, "expiry": 60},
+            "CONFIG": {
+                "hosts": [HYPNOS.server.redis_url],
+                "prefix": HYPNOS.server.channel_prefix,
+                "capacity": 1000,
+                "expiry": 60,
+            },
         }
     }
 else:

@@ -103,7 +103,10 @@ class InProcessTransport(Transport):
         queue: asyncio.Queue[Event] = asyncio.Queue()
 
         def sink(event: Event) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the caller's event loop is gone: nobody reads this any more
+                self.worker.abort(request["request_id"])
 
         call = _InProcessCall(request["request_id"], queue, self.worker)
         self.worker.submit(request, sink)

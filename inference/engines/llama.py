@@ -97,6 +97,10 @@ class LlamaEngine(Engine):
                 "send fewer messages or ask for a larger num_ctx.",
                 param="messages",
             )
+        if work.seed is not None:
+            # A reused prefix re-evaluates only the tail, whose logits differ in the last bits
+            # from a whole-prompt evaluation; a seeded run must not depend on the previous one.
+            llm.reset()
         cached = self._cached_prefix(tokens)
         llm.set_seed(work.seed if work.seed is not None else random.randrange(2**31))
         return self._generate(llm, tokens, cached, work, min(work.max_tokens, n_ctx - len(tokens)), cancel, on_delta)

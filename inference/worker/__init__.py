@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
 
 from inference.worker.core import Worker
@@ -19,6 +20,8 @@ def get_embedded_worker() -> Worker:
 
             _worker = Worker(settings.HYPNOS)
             _worker.start()
+            # Free the engines before the interpreter tears down the modules they need.
+            atexit.register(_worker.shutdown)
         return _worker
 
 

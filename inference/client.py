@@ -17,8 +17,10 @@ import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from inference.errors import HypnosError, ModelNotAvailable, ServerError
 
@@ -139,16 +141,16 @@ class ChannelLayerTransport(Transport):
             "ack_deadline": time.time() + self.ack_timeout,
             **request,
         }
-        await self.layer.send(REQUEST_CHANNEL, message)
+        await _guarded(self.layer.send(REQUEST_CHANNEL, message))
         return _ChannelCall(request["request_id"], self.layer, reply, self.ack_timeout)
 
     async def status(self) -> dict[str, Any] | None:
         reply = await self.layer.new_channel("hypnos.reply.")
-        await self.layer.send(REQUEST_CHANNEL, {"type": "inference.status", "reply_channel": reply,
-                                                "ack_deadline": time.time() + STATUS_TIMEOUT_SECS})
         try:
-            message = await asyncio.wait_for(self.layer.receive(reply), STATUS_TIMEOUT_SECS)
-        except asyncio.TimeoutError:
+            await _guarded(self.layer.send(REQUEST_CHANNEL, {"type": "inference.status", "reply_channel": reply,
+                                                             "ack_deadline": time.time() + STATUS_TIMEOUT_SECS}))
+            message = await asyncio.wait_for(_guarded(self.layer.receive(reply)), STATUS_TIMEOUT_SECS)
+        except (asyncio.TimeoutError, ModelNotAvailable):
             return None
         return message["status"]
 
@@ -164,11 +166,11 @@ class _ChannelCall(InferenceCall):
         while True:
             if self.worker_channel is None:
                 try:
-                    message = await asyncio.wait_for(self.layer.receive(self.reply), self.ack_timeout)
+                    message = await asyncio.wait_for(_guarded(self.layer.receive(self.reply)), self.ack_timeout)
                 except asyncio.TimeoutError:
                     raise ModelNotAvailable(NO_WORKER.format(secs=self.ack_timeout)) from None
             else:
-                message = await self.layer.receive(self.reply)
+                message = await _guarded(self.layer.receive(self.reply))
             if message.get("seq") != self.expected_seq:
                 raise ServerError(
                     f"reply {self.expected_seq} from the inference worker was lost (got {message.get('seq')})"
@@ -185,6 +187,15 @@ class _ChannelCall(InferenceCall):
             return
         self.finished = True
         await self.layer.send(self.worker_channel, {"type": "inference.abort", "request_id": self.request_id})
+
+
+async def _guarded(operation: Awaitable[Any]) -> Any:
+    """A channel-layer operation whose failure (Redis down, a dropped connection) becomes the
+    spec's 503 instead of an unhandled exception."""
+    try:
+        return await operation
+    except (OSError, RedisError) as exc:
+        raise ModelNotAvailable(f"The channel layer is unreachable: {type(exc).__name__}: {exc}") from exc
 
 
 _client: InferenceClient | None = None

@@ -13,6 +13,7 @@ from inference.worker.core import Worker
 log = logging.getLogger(__name__)
 # Deltas waiting together are sent as one message; this bounds how long the first one waits.
 DELTA_BATCH_SECS = 0.005
+RECEIVE_RETRY_SECS = 1.0
 
 
 class ChannelServer:
@@ -39,7 +40,13 @@ class ChannelServer:
 
     async def _receive_loop(self, channel: str) -> None:
         while True:
-            message = await self.layer.receive(channel)
+            try:
+                message = await self.layer.receive(channel)
+            except Exception:
+                # Redis went away or hiccuped: keep listening rather than go deaf.
+                log.exception("receiving on %s failed; retrying in %.0f s", channel, RECEIVE_RETRY_SECS)
+                await asyncio.sleep(RECEIVE_RETRY_SECS)
+                continue
             try:
                 await self._dispatch(message)
             except Exception:

@@ -1,0 +1,195 @@
+"""Real processes over real sockets: daphne, `manage.py runinference`, Redis, PostgreSQL.
+
+The services are required in CI (`CI` set): a test that cannot reach them fails there. On a
+machine without them the tests skip, saying which service is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+import redis
+
+from hypnos_site.config import BASE_DIR, load_config
+
+REDIS_URL = os.environ.get("HYPNOS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+POSTGRES_ADMIN_URL = os.environ.get("HYPNOS_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+START_TIMEOUT_SECS = 120
+
+
+def require_service(name: str, probe) -> None:  # type: ignore[no-untyped-def]
+    try:
+        probe()
+    except Exception as exc:
+        message = f"{name} is not reachable ({exc}); see shared docs/services.md to start it"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    require_service("Redis", lambda: redis.Redis.from_url(REDIS_URL, socket_timeout=2).ping())
+    return REDIS_URL
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    require_service("PostgreSQL", lambda: psycopg.connect(POSTGRES_ADMIN_URL, connect_timeout=3).close())
+    name = "hypnos_e2e_" + uuid.uuid4().hex[:8]
+    with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    base, _, _ = POSTGRES_ADMIN_URL.rpartition("/")
+    yield f"{base}/{name}"
+    with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_config(directory: Path, ack_timeout_secs: float = 5.0) -> Path:
+    """A config with the suite's real model (absolute path) and room for long answers."""
+    suite = load_config({"HYPNOS_CONFIG": str(BASE_DIR / "tests" / "hypnos.test.toml")})
+    weights = suite.weights_file(suite.models[0])
+    path = directory / "hypnos.toml"
+    path.write_text(
+        f"""
+[server]
+worker_ack_timeout_secs = {ack_timeout_secs}
+
+[limits]
+max_tokens_cap = 2000
+
+[[models]]
+id = "smollm2-135m"
+modality = "text_generation"
+engine = "ggml_llama"
+weights_path = "{weights}"
+context_len = 4096
+initial_tier = "tier1_gpu_vram"
+aliases = ["gpt-4o-mini"]
+"""
+    )
+    return path
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def start(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> Proc:
+    log = log_dir / f"{name}.log"
+    popen = subprocess.Popen(
+        [sys.executable, *args], cwd=BASE_DIR, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT
+    )
+    return Proc(name, popen, log)
+
+
+def run_manage(args: list[str], env: dict[str, str]) -> str:
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=BASE_DIR, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def wait_ready(base_url: str, *procs: Proc) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_SECS
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.popen.poll() is not None:
+                pytest.fail(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
+        try:
+            if httpx.get(f"{base_url}/ready", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    pytest.fail("server not ready in time:\n" + "\n".join(p.tail() for p in procs))
+
+
+@dataclass
+class Server:
+    base_url: str
+    env: dict[str, str]
+    procs: list[Proc]
+
+
+def base_env(config: Path, data_dir: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYPNOS_")}
+    env.update(HYPNOS_CONFIG=str(config), HYPNOS_DATA_DIR=str(data_dir), DJANGO_SETTINGS_MODULE="hypnos_site.settings")
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="session")
+def distributed(tmp_path_factory, redis_url: str, postgres_url: str) -> Iterator[Server]:
+    """daphne + runinference + Redis + PostgreSQL, as `./run.sh` would run them split."""
+    directory = tmp_path_factory.mktemp("distributed")
+    port = free_port()
+    env = base_env(
+        write_config(directory), directory,
+        HYPNOS_DEPLOYMENT="distributed", HYPNOS_DATABASE_URL=postgres_url, HYPNOS_REDIS_URL=redis_url,
+        HYPNOS_CHANNEL_PREFIX="hypnos-e2e-" + uuid.uuid4().hex[:8], HYPNOS_PORT=str(port),
+    )
+    run_manage(["migrate", "--no-input", "-v0"], env)
+    worker = start("runinference", ["manage.py", "runinference"], env, directory)
+    web = start("daphne", ["-m", "hypnos_site.serve"], env, directory)
+    server = Server(f"http://127.0.0.1:{port}", env, [worker, web])
+    try:
+        wait_ready(server.base_url, worker, web)
+        yield server
+    finally:
+        for proc in (web, worker):
+            proc.stop()
+
+
+@pytest.fixture(scope="session")
+def embedded(tmp_path_factory) -> Iterator[Server]:
+    """`python -m hypnos_site.serve` alone: SQLite, in-process worker, no services."""
+    directory = tmp_path_factory.mktemp("embedded")
+    port = free_port()
+    env = base_env(write_config(directory), directory, HYPNOS_PORT=str(port))
+    run_manage(["migrate", "--no-input", "-v0"], env)
+    web = start("daphne-embedded", ["-m", "hypnos_site.serve"], env, directory)
+    server = Server(f"http://127.0.0.1:{port}", env, [web])
+    try:
+        wait_ready(server.base_url, web)
+        yield server
+    finally:
+        web.stop()
+
+
+@pytest.fixture(params=["embedded", "distributed"])
+def server(request) -> Server:  # type: ignore[no-untyped-def]
+    return request.getfixturevalue(request.param)

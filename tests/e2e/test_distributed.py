@@ -1,0 +1,82 @@
+"""What only the distributed deployment has: a light web process, several web processes,
+database keys shared through PostgreSQL, and a bounded wait when no worker runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from hypnos_site.config import BASE_DIR
+from tests.conftest import PARIS_MESSAGES
+from tests.e2e.conftest import Server, base_env, free_port, run_manage, start, wait_ready, write_config
+
+pytestmark = pytest.mark.e2e
+ENGINE_MODULES = ["llama_cpp", "inference.engines.llama", "onnxruntime", "faster_whisper", "piper", "docling"]
+
+
+def test_the_web_process_does_not_import_engine_libraries(tmp_path):
+    env = base_env(write_config(tmp_path), tmp_path, HYPNOS_DEPLOYMENT="distributed")
+    code = (
+        "import sys, hypnos_site.asgi, inference.views, inference.serving.chat\n"
+        f"print([m for m in {ENGINE_MODULES!r} if m in sys.modules])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=BASE_DIR, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_a_second_web_process_with_database_keys_shares_the_worker(distributed: Server, tmp_path):
+    env = dict(distributed.env)
+    key = run_manage(["createapikey", "e2e-" + uuid.uuid4().hex[:6]], env).strip()
+    port = free_port()
+    env["HYPNOS_PORT"] = str(port)
+    web = start("daphne-second", ["-m", "hypnos_site.serve"], env, tmp_path)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base_url, web)
+        with pytest.raises(openai.AuthenticationError) as caught:
+            openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0).models.list()
+        assert caught.value.response.headers["www-authenticate"] == 'Bearer realm="hypnos"'
+        assert caught.value.body["code"] == "invalid_api_key"
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0, timeout=60)
+        answer = client.chat.completions.create(model="smollm2-135m", messages=PARIS_MESSAGES, temperature=0)
+        assert "Paris" in answer.choices[0].message.content
+    finally:
+        web.stop()
+        run_manage(["shell", "-c", "from models_registry.models import ApiKey; ApiKey.objects.all().delete()"], env)
+
+
+def test_without_a_worker_requests_get_a_503_in_bounded_time(tmp_path, redis_url, postgres_url):
+    port = free_port()
+    env = base_env(
+        write_config(tmp_path, ack_timeout_secs=1.0), tmp_path,
+        HYPNOS_DEPLOYMENT="distributed", HYPNOS_DATABASE_URL=postgres_url, HYPNOS_REDIS_URL=redis_url,
+        HYPNOS_CHANNEL_PREFIX="hypnos-noworker-" + uuid.uuid4().hex[:8], HYPNOS_PORT=str(port),
+    )
+    web = start("daphne-alone", ["-m", "hypnos_site.serve"], env, tmp_path)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"{base_url}/health", timeout=2)
+                break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        ready = httpx.get(f"{base_url}/ready", timeout=10)
+        assert ready.status_code == 503 and ready.json()["ready"] is False
+        started = time.monotonic()
+        response = httpx.post(f"{base_url}/v1/chat/completions", timeout=30,
+                              json={"model": "smollm2-135m", "messages": PARIS_MESSAGES})
+        assert time.monotonic() - started < 5
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "model_not_available"
+        assert "runinference" in response.json()["error"]["message"]
+    finally:
+        web.stop()

@@ -1,0 +1,87 @@
+"""The official `openai` SDK and raw HTTP against both deployments, over real sockets."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import PARIS_MESSAGES
+from tests.e2e.conftest import Server
+
+pytestmark = pytest.mark.e2e
+MODEL = "smollm2-135m"
+LONG_STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
+
+
+def sdk(server: Server, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_the_sdk_gets_the_models_real_answer(server):
+    completion = sdk(server).chat.completions.create(model=MODEL, messages=PARIS_MESSAGES, temperature=0)
+    assert "Paris" in completion.choices[0].message.content
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.usage.completion_tokens > 3
+    telemetry = completion.model_extra["hypnos_telemetry"]
+    assert telemetry["placement"]["primary_tier"] == "tier1_gpu_vram"
+
+
+def test_the_sdk_streams_the_same_answer(server):
+    client = sdk(server)
+    whole = client.chat.completions.create(model=MODEL, messages=PARIS_MESSAGES, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=PARIS_MESSAGES, temperature=0, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].model_extra["hypnos_telemetry"]["engine"]["decode_tokens_per_s"] > 0
+
+
+def test_an_unknown_model_raises_the_sdks_not_found(server):
+    with pytest.raises(openai.NotFoundError) as caught:
+        sdk(server).chat.completions.create(model="no-such-model", messages=PARIS_MESSAGES)
+    assert caught.value.body["code"] == "model_not_found"
+
+
+def test_the_sdk_lists_the_models(server):
+    assert [m.id for m in sdk(server).models.list()] == [MODEL]
+
+
+def test_raw_http_gets_request_ids_and_json_errors(server):
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", content=b"{nope",
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert re.fullmatch(r"req-[0-9a-f]{32}", response.headers["x-request-id"])
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    missing = httpx.get(f"{server.base_url}/v1/does-not-exist")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found"
+
+
+def test_closing_the_stream_frees_the_model_at_once(server):
+    body = {"model": MODEL, "messages": LONG_STORY, "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        received = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+        assert len(received) >= 3
+    # 2000 tokens would hold the model's only slot for ~30 s; the next request must not wait for it.
+    after = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": PARIS_MESSAGES, "max_tokens": 2})
+    assert after.status_code == 200
+    assert after.json()["hypnos_telemetry"]["engine"]["queue_ms"] < 2000
+
+
+def test_a_raw_stream_ends_with_usage_telemetry_and_done(server):
+    body = {"model": MODEL, "messages": PARIS_MESSAGES, "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    final = json.loads(events[-2])
+    assert final["choices"][0]["finish_reason"] == "length"
+    assert final["usage"]["completion_tokens"] == 5
+    assert "hypnos_telemetry" in final

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,6 +55,8 @@ READY_TIMEOUT_SECS = 120.0
 STOP_TIMEOUT_SECS = 10.0
 REQUEST_TIMEOUT_SECS = 300.0
 REDIS_URL = "redis://127.0.0.1:6379/0"
+# Below this idle share before a target, the benchmark warns that the machine is busy.
+BUSY_IDLE_PCT = 80.0
 
 
 @dataclass
@@ -80,6 +82,8 @@ class TargetResult:
     target: str
     runs: list[RunResult] = field(default_factory=list)
     warmup: RunResult | None = None
+    failures: list[str] = field(default_factory=list)
+    idle_before_pct: float | None = None
 
     def median(self, name: str) -> float | None:
         values = [getattr(r, name) for r in self.runs if getattr(r, name) is not None]
@@ -404,19 +408,46 @@ def server_stream(client: httpx.Client, base_url: str, max_tokens: int, seed: in
 
 
 def bench_server(
-    deployment: str, weights: Path, threads: int, max_tokens: int, seed: int, runs: int, work_dir: Path
+    deployment: str,
+    weights: Path,
+    threads: int,
+    max_tokens: int,
+    seed: int,
+    runs: int,
+    retries: int,
+    work_dir: Path,
 ) -> TargetResult:
     """Start the deployment, send a warm-up and `runs` measured requests, stop it."""
     result = TargetResult(deployment)
     with running_server(deployment, weights, threads, work_dir) as base_url:
         with httpx.Client(timeout=REQUEST_TIMEOUT_SECS) as client:
-            result.warmup = server_stream(client, base_url, max_tokens, seed)
+
+            def measure(label: str) -> RunResult:
+                return _with_retries(
+                    lambda: server_stream(client, base_url, max_tokens, seed), label, retries, result.failures
+                )
+
+            result.warmup = measure(f"{deployment} warm-up")
             log.info("%s warm-up: %s", deployment, _describe(result.warmup))
             for i in range(runs):
-                run = server_stream(client, base_url, max_tokens, seed)
+                run = measure(f"{deployment} run {i + 1}/{runs}")
                 log.info("%s run %d/%d: %s", deployment, i + 1, runs, _describe(run))
                 result.runs.append(run)
     return result
+
+
+def _with_retries(request: Callable[[], RunResult], label: str, retries: int, failures: list[str]) -> RunResult:
+    """Run `request`; a failed one (an HTTP error, a broken stream) is noted in `failures`
+    and sent again, up to `retries` more times. The failures are reported, never hidden."""
+    for attempt in range(retries + 1):
+        try:
+            return request()
+        except (RuntimeError, httpx.HTTPError) as exc:
+            failures.append(f"{label}: {exc}")
+            if attempt == retries:
+                raise
+            log.warning("%s failed (%s); retrying (%d/%d)", label, exc, attempt + 1, retries)
+    raise AssertionError("unreachable")
 
 
 def _describe(run: RunResult) -> str:
@@ -424,6 +455,38 @@ def _describe(run: RunResult) -> str:
         f"TTFT {run.ttft_ms:.1f} ms, {run.decode_tokens_per_s:.1f} tok/s, "
         f"{run.completion_tokens} tokens in {run.content_chunks} chunks, finish {run.finish_reason}"
     )
+
+
+# -- machine load -----------------------------------------------------------------------------
+
+
+def cpu_idle_pct(window_secs: float = 1.0) -> float | None:
+    """Share of the machine's CPU time that was idle over the next `window_secs` (Linux
+    /proc/stat); None elsewhere. Other work on the machine makes every figure noisy."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            values = [int(v) for v in stat.readline().split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+        return idle, sum(values)
+
+    try:
+        idle0, total0 = sample()
+        time.sleep(window_secs)
+        idle1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return 100.0 * (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def note_idle(result: TargetResult, idle: float | None) -> None:
+    """Record how idle the machine was before a target and warn when it was busy."""
+    result.idle_before_pct = idle
+    if idle is not None and idle < BUSY_IDLE_PCT:
+        log.warning(
+            "%s: the machine was only %.0f%% idle just before this target; other processes compete for the "
+            "CPU and the figures will be noisy", result.target, idle,
+        )
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -456,6 +519,8 @@ def summary(results: list[TargetResult]) -> list[dict[str, Any]]:
                 "server_engine_decode_tokens_per_s": result.median("server_decode_tokens_per_s"),
                 "prompt_tokens": result.runs[0].prompt_tokens if result.runs else None,
                 "completion_tokens": sorted({r.completion_tokens for r in result.runs}),
+                "idle_before_pct": result.idle_before_pct,
+                "failed_requests": len(result.failures),
             }
         )
     return rows
@@ -502,6 +567,13 @@ def tokens_line(rows: list[dict[str, Any]]) -> str:
     return "tokens: " + "; ".join(parts)
 
 
+def conditions_line(results: list[TargetResult]) -> str:
+    """How idle the machine was before each target, and the requests that failed."""
+    idle = ", ".join(f"{r.target} {_fmt(r.idle_before_pct, 0)}%" for r in results)
+    failed = sum(len(r.failures) for r in results)
+    return f"machine idle before each target: {idle}; failed requests (retried): {failed}"
+
+
 def check_same_output(results: list[TargetResult]) -> list[str]:
     """Warnings when targets did not generate the same text (the comparison would be unfair)."""
     warnings = []
@@ -532,6 +604,7 @@ def write_json(path: Path, args: argparse.Namespace, weights: Path, results: lis
             "runs": args.runs,
             "threads": args.threads,
             "seed": args.seed,
+            "retries": args.retries,
             "temperature": 0.0,
             "context_len": CONTEXT_LEN,
         },
@@ -547,6 +620,8 @@ def write_json(path: Path, args: argparse.Namespace, weights: Path, results: lis
             r.target: {
                 "warmup": asdict(r.warmup) if r.warmup else None,
                 "runs": [asdict(run) for run in r.runs],
+                "failures": r.failures,
+                "idle_before_pct": r.idle_before_pct,
             }
             for r in results
         },
@@ -570,11 +645,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--only", action="append", choices=TARGETS, help="run only this target (repeatable; default: all three)"
     )
+    parser.add_argument(
+        "--retries", type=int, default=2, help="times a failed server request is sent again (default 2)"
+    )
     parser.add_argument("--json", type=Path, help="also write every run and the summary to this file")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
-    if args.runs < 1 or args.max_tokens < 2 or args.threads < 1:
-        parser.error("--runs and --threads must be >= 1, --max-tokens >= 2")
+    if args.runs < 1 or args.max_tokens < 2 or args.threads < 1 or args.retries < 0:
+        parser.error("--runs and --threads must be >= 1, --max-tokens >= 2, --retries >= 0")
     return args
 
 
@@ -585,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     cfg = load_config()
     weights = cfg.weights_file(cfg.models[0])
     if not weights.exists():
@@ -596,12 +675,15 @@ def main(argv: list[str] | None = None) -> int:
     results: list[TargetResult] = []
     with tempfile.TemporaryDirectory(prefix="hypnos-bench-") as tmp:
         for target in targets:
+            idle = cpu_idle_pct()
             if target == "raw":
-                results.append(bench_raw(weights, args.threads, args.max_tokens, args.seed, args.runs))
+                result = bench_raw(weights, args.threads, args.max_tokens, args.seed, args.runs)
             else:
-                results.append(
-                    bench_server(target, weights, args.threads, args.max_tokens, args.seed, args.runs, Path(tmp))
+                result = bench_server(
+                    target, weights, args.threads, args.max_tokens, args.seed, args.runs, args.retries, Path(tmp)
                 )
+            note_idle(result, idle)
+            results.append(result)
     rows = summary(results)
     warnings = check_same_output(results)
     for warning in warnings:
@@ -610,6 +692,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.threads} threads, seed {args.seed}, temperature 0")
     print(render_table(rows))
     print(tokens_line(rows))
+    print(conditions_line(results))
     if args.json:
         write_json(args.json, args, weights, results, rows, warnings)
     return 0

@@ -136,11 +136,13 @@ async def test_the_client_closing_the_stream_stops_generation(api, worker, setti
 
     # Django's ASGI handler cancels the response task when the client disconnects; so does this.
     reader = asyncio.create_task(consume())
-    assert await wait_until(lambda: len(chunks) >= 3)
-    reader.cancel()
+    try:
+        assert await wait_until(lambda: len(chunks) >= 3, timeout=60)
+    finally:
+        reader.cancel()
     runtime = worker.models[MODEL]
-    # 2000 tokens take ~30 s here; released within a second means it stopped at the next token.
-    assert await wait_until(lambda: runtime.admitted == 0 and runtime.active_leases == 0, timeout=1.0)
+    # 2000 tokens take ~30 s here; released within 3 s means it stopped at the next token.
+    assert await wait_until(lambda: runtime.admitted == 0 and runtime.active_leases == 0, timeout=3.0)
 
 
 async def test_requests_beyond_the_queue_bound_get_model_busy(api, settings):
@@ -160,7 +162,7 @@ async def test_a_request_past_the_timeout_is_a_408_and_is_aborted(api, worker, s
     assert response.status_code == 408
     assert response["content-type"].startswith("text/plain")
     runtime = worker.models[MODEL]
-    assert await wait_until(lambda: runtime.admitted == 0, timeout=2.0)
+    assert await wait_until(lambda: runtime.admitted == 0, timeout=5.0)
 
 
 async def test_an_image_part_to_a_text_model_is_a_400(api):

@@ -9,7 +9,7 @@ Measures time to first token (TTFT) and streamed decode tokens/s for the default
 
 Only one target runs at a time (each server is stopped before the next starts; raw runs while
 no server runs). Each target gets one warm-up request, then ``--runs`` measured ones; the table
-shows medians and the server / raw ratios. See bench/README.md for the method.
+shows medians and the server / raw ratios. bench/README.md describes the method.
 
     .venv/bin/python bench/chat_stream.py --runs 5
 """
@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import secrets
+import signal
 import socket
 import statistics
 import subprocess
@@ -55,8 +56,22 @@ READY_TIMEOUT_SECS = 120.0
 STOP_TIMEOUT_SECS = 10.0
 REQUEST_TIMEOUT_SECS = 300.0
 REDIS_URL = "redis://127.0.0.1:6379/0"
-# Below this idle share before a target, the benchmark warns that the machine is busy.
-BUSY_IDLE_PCT = 80.0
+# A run starts on a "quiet" machine when at least this share of all CPU time was idle just before.
+QUIET_IDLE_PCT = 80.0
+IDLE_WINDOW_SECS = 0.5
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What every target is run with."""
+
+    weights: Path
+    threads: int
+    max_tokens: int
+    seed: int
+    runs: int
+    retries: int
+    wait_idle_secs: float
 
 
 @dataclass
@@ -73,6 +88,7 @@ class RunResult:
     finish_reason: str | None = None
     server_ttft_ms: float | None = None
     server_decode_tokens_per_s: float | None = None
+    idle_before_pct: float | None = None
 
 
 @dataclass
@@ -83,18 +99,54 @@ class TargetResult:
     runs: list[RunResult] = field(default_factory=list)
     warmup: RunResult | None = None
     failures: list[str] = field(default_factory=list)
-    idle_before_pct: float | None = None
 
     def median(self, name: str) -> float | None:
         values = [getattr(r, name) for r in self.runs if getattr(r, name) is not None]
         return statistics.median(values) if values else None
 
+    def busy_runs(self) -> int:
+        """Measured runs that started while other processes kept the CPU busy."""
+        return sum(1 for r in self.runs if r.idle_before_pct is not None and r.idle_before_pct < QUIET_IDLE_PCT)
 
-# -- measuring a stream ------------------------------------------------------------------------
+
+# -- machine load --------------------------------------------------------------------------------
+
+
+def cpu_idle_pct(window_secs: float = IDLE_WINDOW_SECS) -> float | None:
+    """Share of all CPU time that was idle over the next `window_secs` (Linux /proc/stat);
+    None where that file cannot be read."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as stat:
+            values = [int(v) for v in stat.readline().split()[1:]]
+        return values[3] + values[4], sum(values)  # idle + iowait, all
+
+    try:
+        idle0, total0 = sample()
+        time.sleep(window_secs)
+        idle1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return 100.0 * (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def wait_until_quiet(max_wait_secs: float, label: str) -> float | None:
+    """Wait up to `max_wait_secs` for a quiet machine (other processes compete for the few
+    cores and make single runs many times slower); the idle share last seen."""
+    deadline = time.monotonic() + max_wait_secs
+    idle = cpu_idle_pct()
+    while idle is not None and idle < QUIET_IDLE_PCT and time.monotonic() < deadline:
+        idle = cpu_idle_pct()
+    if idle is not None and idle < QUIET_IDLE_PCT:
+        log.warning("%s starts on a busy machine (%.0f%% idle); its figures will be noisy", label, idle)
+    return idle
+
+
+# -- measuring a stream --------------------------------------------------------------------------
 
 
 class StreamClock:
-    """Timestamps of a token stream: first and last non-empty content, relative to the start."""
+    """Timestamps of a token stream: first and last non-empty content, from the request's start."""
 
     def __init__(self) -> None:
         self.started = time.perf_counter()
@@ -132,73 +184,103 @@ class StreamClock:
         )
 
 
+def measure_runs(
+    result: TargetResult, settings: BenchSettings, request: Callable[[], RunResult], retries: int = 0
+) -> None:
+    """The warm-up and the measured runs of one target, each after waiting for a quiet machine."""
+    result.warmup = _with_retries(request, f"{result.target} warm-up", retries, result.failures)
+    log.info("%s warm-up: %s", result.target, _describe(result.warmup))
+    for i in range(settings.runs):
+        label = f"{result.target} run {i + 1}/{settings.runs}"
+        idle = wait_until_quiet(settings.wait_idle_secs, label)
+        run = _with_retries(request, label, retries, result.failures)
+        run.idle_before_pct = idle
+        log.info("%s: %s", label, _describe(run))
+        result.runs.append(run)
+
+
+def _with_retries(request: Callable[[], RunResult], label: str, retries: int, failures: list[str]) -> RunResult:
+    """Run `request`; a failed one (an HTTP error, a broken stream) is noted in `failures` and
+    sent again, up to `retries` more times. Failures are reported in the output, never hidden."""
+    for attempt in range(retries + 1):
+        try:
+            return request()
+        except (RuntimeError, httpx.HTTPError) as exc:
+            failures.append(f"{label}: {exc}")
+            if attempt == retries:
+                raise
+            log.warning("%s failed (%s); retrying (%d/%d)", label, exc, attempt + 1, retries)
+    raise AssertionError("unreachable")
+
+
+def _describe(run: RunResult) -> str:
+    idle = "" if run.idle_before_pct is None else f", {run.idle_before_pct:.0f}% idle before"
+    return (
+        f"TTFT {run.ttft_ms:.1f} ms, {run.decode_tokens_per_s:.1f} tok/s, "
+        f"{run.completion_tokens} tokens in {run.content_chunks} chunks, finish {run.finish_reason}{idle}"
+    )
+
+
 # -- raw llama-cpp-python ------------------------------------------------------------------------
 
 
-def bench_raw(weights: Path, threads: int, max_tokens: int, seed: int, runs: int) -> TargetResult:
-    """Load the GGUF in this process and stream the same request `runs` times."""
+def bench_raw(settings: BenchSettings) -> TargetResult:
+    """Load the GGUF in this process, as the server's engine does, and stream the request."""
     import llama_cpp
 
     result = TargetResult("raw")
-    log.info("raw: loading %s with %d threads", weights, threads)
+    log.info("raw: loading %s with %d threads", settings.weights, settings.threads)
     llm = llama_cpp.Llama(
-        model_path=str(weights),
+        model_path=str(settings.weights),
         n_ctx=CONTEXT_LEN,
-        n_threads=threads,
-        n_threads_batch=threads,
+        n_threads=settings.threads,
+        n_threads_batch=settings.threads,
         n_gpu_layers=0,
         verbose=False,
     )
     try:
-        prompt_tokens = _raw_warmup(llm, max_tokens, seed, result)
-        for i in range(runs):
-            run = _raw_stream(llm, max_tokens, seed, prompt_tokens)
-            log.info("raw run %d/%d: %s", i + 1, runs, _describe(run))
-            result.runs.append(run)
+        prompt_tokens, completion_tokens = _raw_usage(llm, settings)
+        measure_runs(result, settings, lambda: _raw_stream(llm, settings, prompt_tokens))
     finally:
         llm.close()
+    for run in result.runs:
+        if run.completion_tokens != completion_tokens:
+            log.warning(
+                "raw: a streamed run had %d content chunks but the non-streamed usage says %d completion "
+                "tokens; the raw token count is off", run.completion_tokens, completion_tokens,
+            )
     return result
 
 
-def _raw_warmup(llm: Any, max_tokens: int, seed: int, result: TargetResult) -> int:
-    """A non-streamed request: warms the model up and reports the prompt's token count."""
+def _raw_usage(llm: Any, settings: BenchSettings) -> tuple[int, int]:
+    """One non-streamed request (not measured): the prompt and completion token counts that
+    llama-cpp-python reports, which the streamed API does not."""
     llm.reset()
-    started = time.perf_counter()
     response = llm.create_chat_completion(
-        messages=MESSAGES, stream=False, max_tokens=max_tokens, temperature=0.0, seed=seed
+        messages=MESSAGES, stream=False, max_tokens=settings.max_tokens, temperature=0.0, seed=settings.seed
     )
     usage = response["usage"]
-    result.warmup = RunResult(
-        ttft_ms=0.0,
-        decode_tokens_per_s=0.0,
-        completion_tokens=usage["completion_tokens"],
-        prompt_tokens=usage["prompt_tokens"],
-        text=response["choices"][0]["message"]["content"] or "",
-        total_ms=(time.perf_counter() - started) * 1000,
-        content_chunks=0,
-        finish_reason=response["choices"][0]["finish_reason"],
-    )
-    log.info("raw warm-up: %d prompt tokens, %d completion tokens", usage["prompt_tokens"], usage["completion_tokens"])
-    return int(usage["prompt_tokens"])
+    log.info("raw usage: %d prompt tokens, %d completion tokens", usage["prompt_tokens"], usage["completion_tokens"])
+    return int(usage["prompt_tokens"]), int(usage["completion_tokens"])
 
 
-def _raw_stream(llm: Any, max_tokens: int, seed: int, prompt_tokens: int) -> RunResult:
-    """One streamed request. The context is reset first, as the server does for a seeded
-    request, so the prompt is evaluated in full every time (no prefix reuse)."""
+def _raw_stream(llm: Any, settings: BenchSettings, prompt_tokens: int) -> RunResult:
+    """One streamed request. The context is reset first, as the server's engine does for a
+    seeded request, so the whole prompt is evaluated every time (no prefix reuse)."""
     llm.reset()
     clock = StreamClock()
     finish = None
     for chunk in llm.create_chat_completion(
-        messages=MESSAGES, stream=True, max_tokens=max_tokens, temperature=0.0, seed=seed
+        messages=MESSAGES, stream=True, max_tokens=settings.max_tokens, temperature=0.0, seed=settings.seed
     ):
         choice = chunk["choices"][0]
         clock.content(choice["delta"].get("content"))
         finish = choice.get("finish_reason") or finish
-    # llama-cpp-python yields one content chunk per generated token (see README).
+    # llama-cpp-python streams one content chunk per generated token (checked against usage).
     return clock.result(clock.chunks, prompt_tokens, finish_reason=finish)
 
 
-# -- the Hypnos server -------------------------------------------------------------------------
+# -- the Hypnos server ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -277,7 +359,7 @@ def server_env(deployment: str, config: Path, data_dir: Path, port: int) -> dict
 
 
 def start_proc(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> Proc:
-    """Start `python ARGS` in the repository root, output to LOG_DIR/NAME.log."""
+    """Start `python ARGS` in the repository root, its output to LOG_DIR/NAME.log."""
     log_path = log_dir / f"{name}.log"
     with log_path.open("wb") as out:
         popen = subprocess.Popen(
@@ -287,7 +369,7 @@ def start_proc(name: str, args: list[str], env: dict[str, str], log_dir: Path) -
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            start_new_session=True,  # a Ctrl-C reaches the benchmark, which stops it
+            start_new_session=True,  # a Ctrl-C reaches only the benchmark, which stops it
         )
     log.info("%s started (pid %d), log %s", name, popen.pid, log_path)
     return Proc(name, popen, log_path)
@@ -324,16 +406,15 @@ def wait_ready(base_url: str, procs: list[Proc]) -> float:
         except httpx.TransportError as exc:
             last = repr(exc)
         time.sleep(0.2)
-    tails = "\n".join(f"--- {p.name}\n{p.tail()}" for p in procs)
-    raise RuntimeError(f"not ready within {READY_TIMEOUT_SECS:g} s (last: {last}):\n{tails}")
+    raise RuntimeError(f"not ready within {READY_TIMEOUT_SECS:g} s (last: {last})")
 
 
 @contextmanager
-def running_server(deployment: str, weights: Path, threads: int, work_dir: Path) -> Iterator[str]:
+def running_server(deployment: str, settings: BenchSettings, work_dir: Path) -> Iterator[str]:
     """Start one deployment of the server; yield its base URL; stop every process it started."""
     data_dir = work_dir / deployment
     data_dir.mkdir()
-    config = write_config(data_dir, weights, threads)
+    config = write_config(data_dir, settings.weights, settings.threads)
     port = free_port()
     env = server_env(deployment, config, data_dir, port)
     migrate(env)
@@ -370,14 +451,14 @@ def _clear_redis(prefix: str) -> None:
         log.debug("could not clear Redis keys %s*: %s", prefix, exc)
 
 
-def server_stream(client: httpx.Client, base_url: str, max_tokens: int, seed: int) -> RunResult:
+def server_stream(client: httpx.Client, base_url: str, settings: BenchSettings) -> RunResult:
     """One streamed POST /v1/chat/completions; usage and telemetry come from the final chunk."""
     body = {
         "model": MODEL_ID,
         "messages": MESSAGES,
-        "max_tokens": max_tokens,
+        "max_tokens": settings.max_tokens,
         "temperature": 0,
-        "seed": seed,
+        "seed": settings.seed,
         "stream": True,
     }
     clock = StreamClock()
@@ -407,89 +488,16 @@ def server_stream(client: httpx.Client, base_url: str, max_tokens: int, seed: in
     )
 
 
-def bench_server(
-    deployment: str,
-    weights: Path,
-    threads: int,
-    max_tokens: int,
-    seed: int,
-    runs: int,
-    retries: int,
-    work_dir: Path,
-) -> TargetResult:
-    """Start the deployment, send a warm-up and `runs` measured requests, stop it."""
+def bench_server(deployment: str, settings: BenchSettings, work_dir: Path) -> TargetResult:
+    """Start the deployment, send the warm-up and the measured requests, stop it."""
     result = TargetResult(deployment)
-    with running_server(deployment, weights, threads, work_dir) as base_url:
+    with running_server(deployment, settings, work_dir) as base_url:
         with httpx.Client(timeout=REQUEST_TIMEOUT_SECS) as client:
-
-            def measure(label: str) -> RunResult:
-                return _with_retries(
-                    lambda: server_stream(client, base_url, max_tokens, seed), label, retries, result.failures
-                )
-
-            result.warmup = measure(f"{deployment} warm-up")
-            log.info("%s warm-up: %s", deployment, _describe(result.warmup))
-            for i in range(runs):
-                run = measure(f"{deployment} run {i + 1}/{runs}")
-                log.info("%s run %d/%d: %s", deployment, i + 1, runs, _describe(run))
-                result.runs.append(run)
+            measure_runs(result, settings, lambda: server_stream(client, base_url, settings), settings.retries)
     return result
 
 
-def _with_retries(request: Callable[[], RunResult], label: str, retries: int, failures: list[str]) -> RunResult:
-    """Run `request`; a failed one (an HTTP error, a broken stream) is noted in `failures`
-    and sent again, up to `retries` more times. The failures are reported, never hidden."""
-    for attempt in range(retries + 1):
-        try:
-            return request()
-        except (RuntimeError, httpx.HTTPError) as exc:
-            failures.append(f"{label}: {exc}")
-            if attempt == retries:
-                raise
-            log.warning("%s failed (%s); retrying (%d/%d)", label, exc, attempt + 1, retries)
-    raise AssertionError("unreachable")
-
-
-def _describe(run: RunResult) -> str:
-    return (
-        f"TTFT {run.ttft_ms:.1f} ms, {run.decode_tokens_per_s:.1f} tok/s, "
-        f"{run.completion_tokens} tokens in {run.content_chunks} chunks, finish {run.finish_reason}"
-    )
-
-
-# -- machine load -----------------------------------------------------------------------------
-
-
-def cpu_idle_pct(window_secs: float = 1.0) -> float | None:
-    """Share of the machine's CPU time that was idle over the next `window_secs` (Linux
-    /proc/stat); None elsewhere. Other work on the machine makes every figure noisy."""
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as stat:
-            values = [int(v) for v in stat.readline().split()[1:]]
-        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
-        return idle, sum(values)
-
-    try:
-        idle0, total0 = sample()
-        time.sleep(window_secs)
-        idle1, total1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    return 100.0 * (idle1 - idle0) / max(total1 - total0, 1)
-
-
-def note_idle(result: TargetResult, idle: float | None) -> None:
-    """Record how idle the machine was before a target and warn when it was busy."""
-    result.idle_before_pct = idle
-    if idle is not None and idle < BUSY_IDLE_PCT:
-        log.warning(
-            "%s: the machine was only %.0f%% idle just before this target; other processes compete for the "
-            "CPU and the figures will be noisy", result.target, idle,
-        )
-
-
-# -- report ------------------------------------------------------------------------------------
+# -- report --------------------------------------------------------------------------------------
 
 
 def _fmt(value: float | None, digits: int = 1) -> str:
@@ -519,7 +527,8 @@ def summary(results: list[TargetResult]) -> list[dict[str, Any]]:
                 "server_engine_decode_tokens_per_s": result.median("server_decode_tokens_per_s"),
                 "prompt_tokens": result.runs[0].prompt_tokens if result.runs else None,
                 "completion_tokens": sorted({r.completion_tokens for r in result.runs}),
-                "idle_before_pct": result.idle_before_pct,
+                "runs": len(result.runs),
+                "busy_runs": result.busy_runs(),
                 "failed_requests": len(result.failures),
             }
         )
@@ -563,24 +572,25 @@ def tokens_line(rows: list[dict[str, Any]]) -> str:
     parts = []
     for row in rows:
         completions = "/".join(str(n) for n in row["completion_tokens"]) or "-"
-        parts.append(f"{row['target']}: prompt {row['prompt_tokens']}, completion {completions}")
+        parts.append(f"{row['target']} {row['prompt_tokens']} prompt + {completions} completion")
     return "tokens: " + "; ".join(parts)
 
 
-def conditions_line(results: list[TargetResult]) -> str:
-    """How idle the machine was before each target, and the requests that failed."""
-    idle = ", ".join(f"{r.target} {_fmt(r.idle_before_pct, 0)}%" for r in results)
-    failed = sum(len(r.failures) for r in results)
-    return f"machine idle before each target: {idle}; failed requests (retried): {failed}"
+def conditions_line(rows: list[dict[str, Any]]) -> str:
+    """Runs that started on a busy machine, and requests that failed and were sent again."""
+    busy = ", ".join(f"{row['target']} {row['busy_runs']}/{row['runs']}" for row in rows)
+    failed = ", ".join(f"{row['target']} {row['failed_requests']}" for row in rows)
+    return f"runs started on a busy machine (<{QUIET_IDLE_PCT:g}% idle): {busy}; failed requests (retried): {failed}"
 
 
 def check_same_output(results: list[TargetResult]) -> list[str]:
-    """Warnings when targets did not generate the same text (the comparison would be unfair)."""
+    """Warnings when the targets did not all generate the same text (then the comparison is
+    not like for like)."""
     warnings = []
     texts = {r.target: {run.text for run in r.runs} for r in results if r.runs}
     for target, variants in texts.items():
         if len(variants) > 1:
-            warnings.append(f"{target}: the {len(variants)} runs generated different texts")
+            warnings.append(f"{target}: its {len(variants)} runs generated different texts")
     reference = next(iter(texts.get("raw", set())), None)
     for target, variants in texts.items():
         if reference is not None and target != "raw" and reference not in variants:
@@ -588,23 +598,19 @@ def check_same_output(results: list[TargetResult]) -> list[str]:
     return warnings
 
 
-def write_json(path: Path, args: argparse.Namespace, weights: Path, results: list[TargetResult],
-               rows: list[dict[str, Any]], warnings: list[str]) -> None:
+def write_json(
+    path: Path, settings: BenchSettings, results: list[TargetResult], rows: list[dict[str, Any]], warnings: list[str]
+) -> None:
     """Every run and the summary, for later comparison."""
     import llama_cpp
 
     document = {
-        "benchmark": "chat_stream",
+        "benchmark": "bench/chat_stream.py",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "settings": {
+            **{k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
             "model_id": MODEL_ID,
-            "weights": str(weights),
             "messages": MESSAGES,
-            "max_tokens": args.max_tokens,
-            "runs": args.runs,
-            "threads": args.threads,
-            "seed": args.seed,
-            "retries": args.retries,
             "temperature": 0.0,
             "context_len": CONTEXT_LEN,
         },
@@ -621,7 +627,6 @@ def write_json(path: Path, args: argparse.Namespace, weights: Path, results: lis
                 "warmup": asdict(r.warmup) if r.warmup else None,
                 "runs": [asdict(run) for run in r.runs],
                 "failures": r.failures,
-                "idle_before_pct": r.idle_before_pct,
             }
             for r in results
         },
@@ -630,16 +635,18 @@ def write_json(path: Path, args: argparse.Namespace, weights: Path, results: lis
     log.info("wrote %s", path)
 
 
-# -- main --------------------------------------------------------------------------------------
+# -- main ----------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="measured runs per target (default 5)")
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens of each request (default 128)")
     parser.add_argument(
-        "--threads", type=int, default=os.cpu_count() or 1,
-        help="engine threads for raw and for the servers' [hardware] n_threads (default: every core)",
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="engine threads, for raw and as the servers' [hardware] n_threads (default: every core)",
     )
     parser.add_argument("--seed", type=int, default=42, help="sampling seed (default 42)")
     parser.add_argument(
@@ -648,16 +655,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--retries", type=int, default=2, help="times a failed server request is sent again (default 2)"
     )
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=30.0,
+        metavar="SECS",
+        help=f"before each measured run, wait up to SECS for the CPU to be >= {QUIET_IDLE_PCT:g}%% idle "
+        "(default 30; 0: do not wait)",
+    )
     parser.add_argument("--json", type=Path, help="also write every run and the summary to this file")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
-    if args.runs < 1 or args.max_tokens < 2 or args.threads < 1 or args.retries < 0:
-        parser.error("--runs and --threads must be >= 1, --max-tokens >= 2, --retries >= 0")
+    if args.runs < 1 or args.max_tokens < 2 or args.threads < 1 or args.retries < 0 or args.wait_idle < 0:
+        parser.error("--runs and --threads must be >= 1, --max-tokens >= 2, --retries and --wait-idle >= 0")
     return args
+
+
+def run_targets(targets: list[str], settings: BenchSettings) -> list[TargetResult]:
+    """Each target in turn; a server is always stopped before the next target starts."""
+    results: list[TargetResult] = []
+    with tempfile.TemporaryDirectory(prefix="hypnos-bench-") as tmp:
+        for target in targets:
+            if target == "raw":
+                results.append(bench_raw(settings))
+            else:
+                results.append(bench_server(target, settings, Path(tmp)))
+    return results
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so that the servers this process started are stopped."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    _stop_on_sigterm()
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -669,34 +706,38 @@ def main(argv: list[str] | None = None) -> int:
     if not weights.exists():
         log.error("the model file %s is missing; run ./run.sh setup first", weights)
         return 1
+    settings = BenchSettings(
+        weights=weights,
+        threads=args.threads,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        runs=args.runs,
+        retries=args.retries,
+        wait_idle_secs=args.wait_idle,
+    )
     targets = [t for t in TARGETS if t in (args.only or TARGETS)]
-    log.info("targets %s, %d runs, max_tokens %d, %d threads, seed %d", targets, args.runs, args.max_tokens,
-             args.threads, args.seed)
-    results: list[TargetResult] = []
-    with tempfile.TemporaryDirectory(prefix="hypnos-bench-") as tmp:
-        for target in targets:
-            idle = cpu_idle_pct()
-            if target == "raw":
-                result = bench_raw(weights, args.threads, args.max_tokens, args.seed, args.runs)
-            else:
-                result = bench_server(
-                    target, weights, args.threads, args.max_tokens, args.seed, args.runs, args.retries, Path(tmp)
-                )
-            note_idle(result, idle)
-            results.append(result)
+    log.info("targets %s, %d runs, max_tokens %d, %d threads, seed %d", targets, settings.runs,
+             settings.max_tokens, settings.threads, settings.seed)
+    results = run_targets(targets, settings)
     rows = summary(results)
     warnings = check_same_output(results)
     for warning in warnings:
         log.warning("%s", warning)
-    print(f"SmolLM2-135M-Instruct ({weights.name}), {args.runs} runs per target, max_tokens {args.max_tokens}, "
-          f"{args.threads} threads, seed {args.seed}, temperature 0")
+    print(
+        f"SmolLM2-135M-Instruct ({weights.name}): {settings.runs} runs per target after 1 warm-up, "
+        f"max_tokens {settings.max_tokens}, temperature 0, seed {settings.seed}, {settings.threads} threads"
+    )
     print(render_table(rows))
     print(tokens_line(rows))
-    print(conditions_line(results))
+    print(conditions_line(rows))
     if args.json:
-        write_json(args.json, args, weights, results, rows, warnings)
+        write_json(args.json, settings, results, rows, warnings)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        log.error("interrupted; every server this run started has been stopped")
+        sys.exit(130)

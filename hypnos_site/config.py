@@ -93,6 +93,12 @@ class HardwareConfig(_Strict):
     # Without a GPU the tier-1 budget is simulated with this many bytes.
     simulated_vram_bytes: int = Field(default=4 << 30, ge=0)
     max_process_memory_bytes: int | None = Field(default=None, ge=1)
+    # Kept free on a real GPU for the driver and other processes.
+    vram_reserve_bytes: int = Field(default=512 * MIB, ge=0)
+    # Tier 2 (weights warm in host memory); default: half the installed RAM.
+    pinned_ram_budget_bytes: int | None = Field(default=None, ge=0)
+    # A partial GPU placement must hold at least this share of the layers, else 507.
+    min_gpu_layer_ratio: float = Field(default=0.5, ge=0, le=1)
     # Engine threads; unset uses every core.
     n_threads: int | None = Field(default=None, ge=1)
 
@@ -179,8 +185,9 @@ def _env_overrides(env: dict[str, str]) -> dict[str, dict[str, object]]:
         if f"HYPNOS_{name.upper()}" in env:
             server[name] = env[f"HYPNOS_{name.upper()}"]
     hardware: dict[str, object] = {}
-    if "HYPNOS_SIMULATED_VRAM_BYTES" in env:
-        hardware["simulated_vram_bytes"] = env["HYPNOS_SIMULATED_VRAM_BYTES"]
+    for name in ("simulated_vram_bytes", "pinned_ram_budget_bytes", "max_process_memory_bytes"):
+        if f"HYPNOS_{name.upper()}" in env:
+            hardware[name] = env[f"HYPNOS_{name.upper()}"]
     return {"server": server, "hardware": hardware}
 
 

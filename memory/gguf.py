@@ -34,6 +34,8 @@ class GgufTensor:
 class GgufInfo:
     metadata: dict[str, object]
     tensors: list[GgufTensor] = field(default_factory=list)
+    # Arrays are skipped, only their lengths kept (the vocabulary size, for one).
+    array_lengths: dict[str, int] = field(default_factory=dict)
 
     @property
     def architecture(self) -> str:
@@ -42,6 +44,10 @@ class GgufInfo:
     def arch_int(self, key: str, default: int = 0) -> int:
         value = self.metadata.get(f"{self.architecture}.{key}", default)
         return int(value) if isinstance(value, (int, float)) else default
+
+
+class _ArrayLength(int):
+    pass
 
 
 class _Cursor:
@@ -76,7 +82,7 @@ class _Cursor:
                 self.pos += count * struct.calcsize(_SCALARS[item_type])
             else:
                 raise GgufError(f"nested GGUF arrays (type {item_type}) are not supported")
-            return None  # arrays are not needed for planning
+            return _ArrayLength(count)
         raise GgufError(f"unknown GGUF value type {vtype}")
 
 
@@ -99,19 +105,19 @@ def read_gguf(path: str | Path) -> GgufInfo:
         if version not in (2, 3):
             raise GgufError(f"{path}: GGUF version {version} is not supported")
         n_tensors, n_kv = int(cur.take("Q")), int(cur.take("Q"))  # type: ignore[arg-type]
-        metadata: dict[str, object] = {}
+        info = GgufInfo({})
         for _ in range(n_kv):
             key = cur.string()
-            vtype = int(cur.take("I"))  # type: ignore[arg-type]
-            value = cur.value(vtype)
-            if value is not None:
-                metadata[key] = value
-        tensors = []
+            value = cur.value(int(cur.take("I")))  # type: ignore[arg-type]
+            if isinstance(value, _ArrayLength):
+                info.array_lengths[key] = int(value)
+            else:
+                info.metadata[key] = value
         for _ in range(n_tensors):
             name = cur.string()
             n_dims = int(cur.take("I"))  # type: ignore[arg-type]
             dims = [int(cur.take("Q")) for _ in range(n_dims)]  # type: ignore[arg-type]
             ggml_type = int(cur.take("I"))  # type: ignore[arg-type]
             cur.take("Q")  # offset
-            tensors.append(GgufTensor(name, tensor_bytes(ggml_type, dims)))
-        return GgufInfo(metadata, tensors)
+            info.tensors.append(GgufTensor(name, tensor_bytes(ggml_type, dims)))
+        return info

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hypnos_site.config import ModelConfig
-from memory.tiers import Placement
+from memory.planner import Footprint
 
 
 @dataclass
@@ -82,8 +83,17 @@ class ChatResult:
 
 
 class Engine(ABC):
-    """A loaded-or-not model of one engine kind. Methods are called from worker threads, one
-    request at a time per engine (the worker's slots guard that)."""
+    """A model of one engine kind and its place in the tiers. The worker moves it:
+
+    - `warm()`: tier 3 -> tier 2, the weights read into memory the worker owns;
+    - `load(context_len, gpu_layers)`: -> tier 1, from the warm copy when there is one (no disk
+      read), else from the file (the warm copy is made on the way);
+    - `unload()`: tier 1 -> tier 2, the engine context released, the warm copy kept;
+    - `cool()`: -> tier 3, everything released and the file's page cache dropped, so the next
+      load is really cold.
+
+    Methods are called from worker threads, one at a time per engine (the worker's slots and
+    load locks guard that)."""
 
     #: How many requests may run at once on one loaded engine.
     max_concurrency = 1
@@ -108,19 +118,71 @@ class Engine(ABC):
         return 0
 
     @abstractmethod
-    def load(self, context_len: int) -> LoadPhases:
-        """Make the engine ready to serve with at least `context_len` tokens of context."""
+    def footprint(self) -> Footprint:
+        """What the model needs, read from its files (no load)."""
+
+    @property
+    @abstractmethod
+    def warm_bytes(self) -> int:
+        """Bytes of weights held in worker-owned memory (0 in tier 3)."""
+
+    @abstractmethod
+    def warm(self) -> float:
+        """Hold the weights in worker-owned memory; the milliseconds it took (0 if already)."""
+
+    @abstractmethod
+    def load(self, context_len: int, gpu_layers: int) -> LoadPhases:
+        """Make the engine ready to serve with `context_len` tokens of context."""
 
     @abstractmethod
     def unload(self) -> None:
-        """Release everything the engine holds."""
+        """Release the engine context; keep the warm copy."""
 
     @abstractmethod
-    def placement(self) -> Placement:
-        """Where the model's bytes are now."""
+    def cool(self) -> None:
+        """Release everything and drop the file's page cache."""
 
     def chat(self, work: ChatWork, cancel: threading.Event, on_delta: Callable[[str], None]) -> ChatResult:
         raise NotImplementedError(f"{type(self).__name__} does not serve chat completions")
+
+
+def drop_page_cache(path: Path) -> None:
+    """Ask the kernel to forget the file's cached pages (clean, unmapped pages go at once)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class WarmCopy:
+    """A file's bytes in an anonymous in-memory file (memfd) owned by the worker. Engines that
+    open files by path open `path`, which reads from RAM, never from the disk."""
+
+    def __init__(self, source: Path):
+        self.fd = os.memfd_create(f"hypnos:{source.name}", os.MFD_CLOEXEC)
+        try:
+            with open(source, "rb") as src:
+                size, offset = os.fstat(src.fileno()).st_size, 0
+                while offset < size:
+                    # In-kernel copy: the bytes never pass through Python.
+                    sent = os.sendfile(self.fd, src.fileno(), offset, size - offset)
+                    if sent == 0:
+                        raise OSError(f"short copy of {source}")
+                    offset += sent
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.size = os.fstat(self.fd).st_size
+
+    @property
+    def path(self) -> str:
+        return f"/proc/self/fd/{self.fd}"
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 ENGINE_CLASSES = {"ggml_llama": "inference.engines.llama.LlamaEngine"}

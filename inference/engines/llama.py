@@ -6,32 +6,49 @@ import codecs
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
+import llama_cpp._internals as internals
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from hypnos_site.config import ModelConfig
-from inference.engines.base import ChatResult, ChatWork, Engine, LoadPhases
+from inference.engines.base import ChatResult, ChatWork, Engine, LoadPhases, WarmCopy, drop_page_cache
 from inference.engines.text import StopMatcher
-from inference.errors import ContextLengthExceeded, InvalidRequest, ModelNotAvailable
-from memory.tiers import MemoryTier, Placement
+from inference.errors import ContextLengthExceeded, DeviceOutOfMemory, InvalidRequest, ModelNotAvailable
+from memory.planner import Footprint, footprint_from_gguf
 
 # Sampling defaults when the request leaves a value out (llama.cpp's own defaults).
 DEFAULT_SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 40}
-KV_BYTES_PER_ELEMENT = 2  # f16 KV cache
+
+
+class _TimedContext(internals.LlamaContext):
+    """llama-cpp-python builds the model and then the context inside one constructor; this
+    subclass (installed below) times the context part, so loads report both phases."""
+
+    timing = threading.local()
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        started = time.perf_counter()
+        super().__init__(*args, **kwargs)
+        _TimedContext.timing.ms = (time.perf_counter() - started) * 1000
+
+
+internals.LlamaContext = _TimedContext  # type: ignore[misc]
 
 
 class LlamaEngine(Engine):
-    """One `llama_cpp.Llama` per model; chat prompts are rendered with the GGUF's template."""
+    """One `llama_cpp.Llama` per model, mapped from the worker's warm copy of the GGUF; chat
+    prompts are rendered with the GGUF's own template."""
 
     def __init__(self, model: ModelConfig, weights: Path, n_threads: int | None):
         super().__init__(model, weights, n_threads)
         self._llm: llama_cpp.Llama | None = None
         self._formatter: Jinja2ChatFormatter | None = None
-        self._metadata: dict[str, str] = {}
+        self._warm: WarmCopy | None = None
+        self._footprint: Footprint | None = None
 
     @property
     def loaded(self) -> bool:
@@ -43,26 +60,48 @@ class LlamaEngine(Engine):
 
     @property
     def trained_context_len(self) -> int:
-        return self._llm._model.n_ctx_train() if self._llm else 0
+        return self.footprint().trained_context_len
 
-    def load(self, context_len: int) -> LoadPhases:
+    def footprint(self) -> Footprint:
+        if self._footprint is None:
+            try:
+                self._footprint = footprint_from_gguf(self.weights)
+            except (OSError, ValueError, KeyError) as exc:
+                raise ModelNotAvailable(f"model {self.model.id!r}: {self.weights} is not a readable GGUF: {exc}") from exc
+        return self._footprint
+
+    @property
+    def warm_bytes(self) -> int:
+        return self._warm.size if self._warm else 0
+
+    def warm(self) -> float:
+        if self._warm is not None:
+            return 0.0
         started = time.perf_counter()
+        self._warm = WarmCopy(self.weights)
+        return (time.perf_counter() - started) * 1000
+
+    def load(self, context_len: int, gpu_layers: int) -> LoadPhases:
+        started = time.perf_counter()
+        mode = "mmap" if self._warm is not None else "read"
+        self.warm()
+        assert self._warm is not None
         try:
             llm = llama_cpp.Llama(
-                model_path=str(self.weights),
+                model_path=self._warm.path,
                 n_ctx=context_len,
                 n_threads=self.n_threads,
                 n_threads_batch=self.n_threads,
-                n_gpu_layers=0,
+                n_gpu_layers=gpu_layers,
                 verbose=False,
             )
         except (ValueError, RuntimeError, OSError) as exc:
             raise ModelNotAvailable(f"model {self.model.id!r} could not be loaded from {self.weights}: {exc}") from exc
+        context_ms = getattr(_TimedContext.timing, "ms", 0.0)
         self._llm = llm
-        self._metadata = dict(llm.metadata)
         self._formatter = self._chat_formatter(llm)
         total_ms = (time.perf_counter() - started) * 1000
-        return LoadPhases(load_mode="mmap", weights_ms=total_ms, context_ms=0.0, total_ms=total_ms)
+        return LoadPhases(load_mode=mode, weights_ms=total_ms - context_ms, context_ms=context_ms, total_ms=total_ms)
 
     def unload(self) -> None:
         if self._llm is not None:
@@ -70,17 +109,12 @@ class LlamaEngine(Engine):
         self._llm = None
         self._formatter = None
 
-    def placement(self) -> Placement:
-        layers = self._int_meta("block_count")
-        if self._llm is None:
-            return Placement.on_disk(layers)
-        return Placement(
-            primary_tier=MemoryTier.TIER1,
-            gpu_layers=layers,
-            vram_weight_bytes=self.weights.stat().st_size,
-            vram_kv_and_workspace_bytes=self._kv_bytes_per_token() * self.context_len,
-            allocated_context_len=self.context_len,
-        )
+    def cool(self) -> None:
+        self.unload()
+        if self._warm is not None:
+            self._warm.close()
+            self._warm = None
+        drop_page_cache(self.weights)
 
     def chat(self, work: ChatWork, cancel: threading.Event, on_delta: Callable[[str], None]) -> ChatResult:
         llm, formatter = self._llm, self._formatter
@@ -128,7 +162,7 @@ class LlamaEngine(Engine):
             repeat_penalty=1.0,
         )
         try:
-            for token in generator:
+            for token in _oom_as_typed(generator):
                 first_at = first_at or time.perf_counter()
                 if llama_cpp.llama_vocab_is_eog(vocab, token):
                     finish = "stop"
@@ -176,7 +210,7 @@ class LlamaEngine(Engine):
         return min(same, len(tokens) - 1)
 
     def _chat_formatter(self, llm: llama_cpp.Llama) -> Jinja2ChatFormatter:
-        template = self._metadata.get("tokenizer.chat_template")
+        template = llm.metadata.get("tokenizer.chat_template")
         if not template:
             raise ModelNotAvailable(f"model {self.model.id!r} has no chat template in its GGUF")
         model = llm._model
@@ -188,17 +222,15 @@ class LlamaEngine(Engine):
             stop_token_ids=[eos],
         )
 
-    def _int_meta(self, key: str) -> int:
-        arch = self._metadata.get("general.architecture", "")
-        return int(self._metadata.get(f"{arch}.{key}", 0) or 0)
 
-    def _kv_bytes_per_token(self) -> int:
-        layers = self._int_meta("block_count")
-        heads = self._int_meta("attention.head_count") or 1
-        kv_heads = self._int_meta("attention.head_count_kv") or heads
-        head_k = self._int_meta("attention.key_length") or self._int_meta("embedding_length") // heads
-        head_v = self._int_meta("attention.value_length") or head_k
-        return layers * kv_heads * (head_k + head_v) * KV_BYTES_PER_ELEMENT
+def _oom_as_typed(tokens: Iterator[int]) -> Iterator[int]:
+    """llama_decode returns -2/-3 when it cannot allocate its buffers: a device out of memory."""
+    try:
+        yield from tokens
+    except RuntimeError as exc:
+        if "llama_decode returned -2" in str(exc) or "llama_decode returned -3" in str(exc):
+            raise DeviceOutOfMemory(f"the engine ran out of memory: {exc}") from exc
+        raise
 
 
 def _pick(value: Any, name: str) -> Any:

@@ -1,8 +1,9 @@
-"""The inference worker: holds the engines, admits requests, runs them on threads.
+"""The inference worker: holds the engines, admits requests, moves models between the tiers.
 
 It is transport-agnostic: `submit` takes a plain-dict request and a `sink` callable that
 receives plain-dict events (`started`, `delta`, `done`, `error`) from any thread. The in-process
-transport and `manage.py runinference` both drive this same object.
+transport and `manage.py runinference` both drive this same object. The tier decisions are the
+TierManager's (memory/); this module carries them out with the engines.
 """
 
 from __future__ import annotations
@@ -19,14 +20,19 @@ from hypnos_site.config import HypnosConfig, ModelConfig
 from inference.engines.base import ChatWork, Engine, LoadPhases, engine_class
 from inference.errors import (
     STILL_STAGING,
+    DeviceOutOfMemory,
     HypnosError,
+    InsufficientMemory,
     InvalidRequest,
     ModelBusy,
     ModelDisabled,
     ModelNotAvailable,
     ModelNotFound,
+    ProcessMemoryCap,
     ServerError,
 )
+from memory.device import HardwareLimits, probe_device, process_memory_bytes
+from memory.manager import Eviction, NoRoom, TierManager
 from memory.tiers import MemoryTier, Placement
 
 log = logging.getLogger(__name__)
@@ -35,37 +41,49 @@ Event = dict[str, Any]
 Sink = Callable[[Event], None]
 # How often a request waiting for a slot looks at its cancel flag.
 SLOT_POLL_SECS = 0.05
+NO_ROOM_ERRORS = {"insufficient_vram_or_ram": InsufficientMemory, "process_memory_cap": ProcessMemoryCap}
 
 
 @dataclass
 class ModelRuntime:
-    """One model of the pool and what the worker knows about it."""
+    """One model of the pool: its engine (created on first use) and its admission counters."""
 
     config: ModelConfig
     engine: Engine | None = None
     load_lock: threading.Lock = field(default_factory=threading.Lock)
     slots: threading.BoundedSemaphore = field(default_factory=lambda: threading.BoundedSemaphore(1))
     admitted: int = 0
-    active_leases: int = 0
-    requests_served: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    load_error: str | None = None
+    loads: int = 0
+    problem: str | None = None
 
-    def placement(self) -> Placement:
-        if self.engine is None:
-            return Placement.on_disk(0)
-        return self.engine.placement()
 
-    @property
-    def current_tier(self) -> MemoryTier:
-        return self.placement().primary_tier
+@dataclass
+class TierSwitch:
+    """What bringing a model to tier 1 cost this request."""
+
+    previous_tier: MemoryTier
+    phases: LoadPhases | None = None
+    evicted: list[str] = field(default_factory=list)
+
+
+def hardware_limits(config: HypnosConfig) -> HardwareLimits:
+    hw = config.hardware
+    return HardwareLimits(
+        simulated_vram_bytes=hw.simulated_vram_bytes,
+        vram_reserve_bytes=hw.vram_reserve_bytes,
+        pinned_ram_budget_bytes=hw.pinned_ram_budget_bytes,
+        max_process_memory_bytes=hw.max_process_memory_bytes,
+        min_gpu_layer_ratio=hw.min_gpu_layer_ratio,
+    )
 
 
 class Worker:
-    """Admission, leases and single-flight loads for the configured models."""
+    """Admission, leases, single-flight loads and tier moves for the configured models."""
 
     def __init__(self, config: HypnosConfig):
         self.config = config
+        self.device = probe_device(hardware_limits(config))
+        self.tiers = TierManager(self.device, hardware_limits(config))
         self.models: dict[str, ModelRuntime] = {}
         self.names: dict[str, str] = {}
         for model in config.models:
@@ -73,10 +91,11 @@ class Worker:
             for name in [model.id, *model.aliases]:
                 self.names[name] = model.id
         self._lock = threading.Lock()
+        # One placement decision (plan, evictions, booking) at a time; loads run outside it.
+        self._placement_lock = threading.RLock()
         self._cancels: dict[str, threading.Event] = {}
         self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="hypnos-infer")
         self._staged = threading.Event()
-        self.staging_error: str | None = None
         self.started_at = time.time()
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -101,15 +120,18 @@ class Worker:
                 runtime.engine.unload()
 
     def _stage(self) -> None:
+        """Bring each enabled model to its `initial_tier` (spec §3), tier 1 first."""
         try:
-            for runtime in self.models.values():
-                if runtime.config.enabled and runtime.config.initial_tier == MemoryTier.TIER1:
-                    try:
-                        self._ensure_loaded(runtime, runtime.config.context_len)
-                    except HypnosError as exc:
-                        # A model that cannot load must not keep the others from serving.
-                        runtime.load_error = exc.message
-                        log.error("staging %s failed: %s", runtime.config.id, exc.message)
+            order = sorted(self.models.values(), key=lambda r: r.config.initial_tier)
+            for runtime in order:
+                if not runtime.config.enabled or runtime.config.initial_tier == MemoryTier.TIER3:
+                    continue
+                try:
+                    self.move(runtime.config.id, MemoryTier(runtime.config.initial_tier), None)
+                except HypnosError as exc:
+                    # A model that cannot stage must not keep the others from serving.
+                    runtime.problem = exc.message
+                    log.error("staging %s failed: %s", runtime.config.id, exc.message)
         finally:
             self._staged.set()
             log.info("startup staging done")
@@ -164,48 +186,64 @@ class Worker:
 
     def _run(self, runtime: ModelRuntime, request_id: str, work: ChatWork, cancel: threading.Event, sink: Sink) -> None:
         arrived = time.perf_counter()
-        holding_slot = False
+        holding_slot = leased = False
         try:
             while not runtime.slots.acquire(timeout=SLOT_POLL_SECS):
                 if cancel.is_set():
                     return
             holding_slot = True
-            with self._lease(runtime):
-                self._serve_chat(runtime, work, cancel, sink, queue_ms=(time.perf_counter() - arrived) * 1000)
+            with self._placement_lock:
+                engine = self._engine(runtime)
+                self.tiers.lease(runtime.config.id)
+                leased = True
+            queue_ms = (time.perf_counter() - arrived) * 1000
+            self._serve_chat(runtime, engine, work, cancel, sink, queue_ms)
         except HypnosError as exc:
             sink(exc.as_event())
         except Exception as exc:
             log.exception("request %s on %s failed", request_id, runtime.config.id)
             sink(ServerError(f"The engine failed: {type(exc).__name__}: {exc}").as_event())
         finally:
+            if leased:
+                self.tiers.release(runtime.config.id)
             if holding_slot:
                 runtime.slots.release()
             with self._lock:
                 runtime.admitted -= 1
             self._cancels.pop(request_id, None)
 
-    def _serve_chat(self, runtime: ModelRuntime, work: ChatWork, cancel: threading.Event, sink: Sink, queue_ms: float) -> None:
-        previous_tier = runtime.current_tier
-        needed_ctx = max(runtime.config.context_len, work.num_ctx or 0)
-        phases = self._ensure_loaded(runtime, needed_ctx)
-        engine = runtime.engine
-        assert engine is not None
-        switch_ms = phases.total_ms if phases else 0.0
-        sink({"kind": "started", "previous_tier": str(previous_tier)})
+    def _serve_chat(self, runtime: ModelRuntime, engine: Engine, work: ChatWork, cancel: threading.Event,
+                    sink: Sink, queue_ms: float) -> None:
+        wanted_ctx = max(runtime.config.context_len, work.num_ctx or 0)
+        switch = self._ensure_tier1(runtime, wanted_ctx)
+        sink({"kind": "started", "previous_tier": str(switch.previous_tier)})
+        sent = False
+
+        def on_delta(text: str) -> None:
+            nonlocal sent
+            sent = True
+            sink({"kind": "delta", "text": text})
+
         started = time.perf_counter()
-        result = engine.chat(work, cancel, lambda text: sink({"kind": "delta", "text": text}))
+        try:
+            result = engine.chat(work, cancel, on_delta)
+        except DeviceOutOfMemory:
+            if sent:
+                raise
+            # Spec §4: evict the idle models and retry once.
+            switch.evicted += self._evict_idle(runtime.config.id, "device_out_of_memory")
+            result = engine.chat(work, cancel, on_delta)
         inference_ms = (time.perf_counter() - started) * 1000
-        runtime.requests_served += 1
         telemetry: dict[str, Any] = {
-            "previous_tier": str(previous_tier),
-            "placement": engine.placement().as_dict(),
-            "tier_switch_latency_ms": round(switch_ms, 1),
+            "previous_tier": str(switch.previous_tier),
+            "placement": self.tiers.entries[runtime.config.id].placement.as_dict(),
+            "tier_switch_latency_ms": round(switch.phases.total_ms, 1) if switch.phases else 0.0,
             "inference_latency_ms": round(inference_ms, 1),
-            "evicted_models": [],
+            "evicted_models": switch.evicted,
             "engine": {"queue_ms": round(queue_ms, 1), **result.engine_timings()},
         }
-        if phases:
-            telemetry["tier_switch_phases"] = phases.as_dict()
+        if switch.phases:
+            telemetry["tier_switch_phases"] = switch.phases.as_dict()
         sink(
             {
                 "kind": "done",
@@ -220,28 +258,12 @@ class Worker:
             }
         )
 
-    def _lease(self, runtime: ModelRuntime) -> _Lease:
-        return _Lease(self, runtime)
+    # -- tiers -------------------------------------------------------------------------------
 
-    def _ensure_loaded(self, runtime: ModelRuntime, context_len: int) -> LoadPhases | None:
-        """Load the model (single-flight) so that it funds `context_len` tokens, up to what the
-        model was trained for. The phases of the load this call did, or None on the fast path."""
-        with runtime.load_lock:
-            engine = runtime.engine or self._new_engine(runtime)
-            runtime.engine = engine
-            phases = None
-            if not engine.loaded:
-                phases = engine.load(runtime.config.context_len)
-            wanted = min(context_len, engine.trained_context_len or context_len)
-            if engine.context_len < wanted:
-                # A larger context than the current one: rebuild it (spec §7.1 num_ctx).
-                engine.unload()
-                rebuild = engine.load(wanted)
-                phases = rebuild if phases is None else phases.plus(rebuild)
-            runtime.load_error = None
-            return phases
-
-    def _new_engine(self, runtime: ModelRuntime) -> Engine:
+    def _engine(self, runtime: ModelRuntime) -> Engine:
+        """The model's engine, created (and its footprint registered) on first use."""
+        if runtime.engine is not None:
+            return runtime.engine
         try:
             cls = engine_class(runtime.config.engine)
         except NotImplementedError as exc:
@@ -252,39 +274,168 @@ class Worker:
                 f"The model {runtime.config.id!r} cannot be served: its weights {weights} are missing "
                 "(./run.sh installs the default models)."
             )
-        return cls(runtime.config, weights, self.config.hardware.n_threads)
+        engine = cls(runtime.config, weights, self.config.hardware.n_threads)
+        self.tiers.register(runtime.config.id, runtime.config.priority, engine.footprint())
+        runtime.engine = engine
+        return engine
+
+    def _ensure_tier1(self, runtime: ModelRuntime, context_len: int) -> TierSwitch:
+        """Bring the (leased) model to tier 1 with at least `context_len` tokens of context, up
+        to what it was trained for. Single-flight: concurrent requests wait for one load."""
+        model_id = runtime.config.id
+        with runtime.load_lock:
+            engine = runtime.engine
+            assert engine is not None
+            entry = self.tiers.entries[model_id]
+            wanted = min(context_len, engine.trained_context_len or context_len)
+            if engine.loaded and engine.context_len >= wanted:
+                return TierSwitch(previous_tier=MemoryTier.TIER1)
+            switch = TierSwitch(previous_tier=entry.tier)
+            with self._placement_lock:
+                placement, evictions = self._plan(model_id, wanted)
+                for eviction in evictions:
+                    self._apply_eviction(eviction, for_model=model_id)
+                switch.evicted = [e.model for e in evictions]
+                self.tiers.commit(model_id, MemoryTier.TIER1, placement)
+            try:
+                engine.unload()
+                switch.phases = engine.load(wanted, placement.gpu_layers)
+            except BaseException:
+                self.tiers.commit(model_id, MemoryTier.TIER2 if engine.warm_bytes else MemoryTier.TIER3)
+                raise
+            runtime.loads += 1
+            self.tiers.note_load(model_id, switch.previous_tier, switch.phases.total_ms)
+            log.info("%s: %s -> tier 1 in %.0f ms (evicted %s)", model_id, switch.previous_tier,
+                     switch.phases.total_ms, switch.evicted or "nothing")
+            return switch
+
+    def _plan(self, model_id: str, context_len: int) -> tuple[Placement, list[Eviction]]:
+        try:
+            promotion = self.tiers.plan_promotion(model_id, context_len)
+        except NoRoom as exc:
+            raise NO_ROOM_ERRORS[exc.reason](exc.message) from exc
+        return promotion.placement, promotion.evictions
+
+    def _apply_eviction(self, eviction: Eviction, for_model: str | None) -> None:
+        """Carry out a demotion the TierManager chose (the victim is idle: it holds no lease)."""
+        engine = self.models[eviction.model].engine
+        assert engine is not None
+        if eviction.to_tier == MemoryTier.TIER2:
+            engine.unload()
+        else:
+            engine.cool()
+        self.tiers.commit(eviction.model, eviction.to_tier)
+        self.tiers.record_eviction(eviction, for_model)
+        log.info("evicted %s to %s for %s (%s)", eviction.model, eviction.to_tier, for_model, eviction.reason)
+
+    def _evict_idle(self, for_model: str, reason: str) -> list[str]:
+        with self._placement_lock:
+            victims = self.tiers.evictable(for_model, (MemoryTier.TIER1,))
+            for victim in victims:
+                self._apply_eviction(Eviction(victim.model_id, MemoryTier.TIER3, reason), for_model)
+            return [v.model_id for v in victims]
+
+    def move(self, name: str, target: MemoryTier, context_len: int | None) -> Placement:
+        """POST /v1/memory/tier and startup staging: put an idle model in `target`.
+        429 while the model is leased, 507 when it does not fit."""
+        runtime = self.resolve(name)
+        model_id = runtime.config.id
+        with self._placement_lock:
+            engine = self._engine(runtime)
+            if self.tiers.entries[model_id].leases:
+                raise ModelBusy(f"The model {model_id!r} is serving requests; retry when it is idle.")
+            # Held while moving, so that no other promotion picks this model as a victim.
+            self.tiers.lease(model_id, request=False)
+        try:
+            if target == MemoryTier.TIER1:
+                self._ensure_tier1(runtime, context_len or runtime.config.context_len)
+            elif target == MemoryTier.TIER2:
+                self._warm(runtime, engine)
+            else:
+                with runtime.load_lock, self._placement_lock:
+                    engine.cool()
+                    self.tiers.commit(model_id, MemoryTier.TIER3)
+        finally:
+            self.tiers.release(model_id, served=False)
+        return self.tiers.entries[model_id].placement
+
+    def _warm(self, runtime: ModelRuntime, engine: Engine) -> None:
+        model_id = runtime.config.id
+        with runtime.load_lock:
+            if engine.loaded:
+                with self._placement_lock:
+                    engine.unload()
+                    self.tiers.commit(model_id, MemoryTier.TIER2)
+                return
+            with self._placement_lock:
+                try:
+                    evictions = self.tiers.plan_warm(model_id)
+                except NoRoom as exc:
+                    raise NO_ROOM_ERRORS[exc.reason](exc.message) from exc
+                for eviction in evictions:
+                    self._apply_eviction(eviction, for_model=model_id)
+                self.tiers.commit(model_id, MemoryTier.TIER2)
+            try:
+                engine.warm()
+            except BaseException:
+                self.tiers.commit(model_id, MemoryTier.TIER3)
+                raise
 
     # -- status ------------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
         """What the web process shows in /ready and /v1/models."""
+        models = {}
+        for model_id, runtime in self.models.items():
+            entry = self.tiers.entries.get(model_id)
+            models[model_id] = {
+                "current_tier": str(entry.tier) if entry else str(MemoryTier.TIER3),
+                "placement": entry.placement.as_dict() if entry else Placement.on_disk(0).as_dict(),
+                "active_leases": entry.leases if entry else 0,
+                "loads": runtime.loads,
+                "problem": runtime.problem,
+            }
+        return {"ready": self.ready, "models": models}
+
+    def memory_status(self) -> dict[str, Any]:
+        """GET /v1/memory/status (spec §14), all but the web process's own latency figures."""
+        tier1 = self.tiers.tier1_counters()
+        tier2_used = self.tiers.tier2_used()
+        footprint = process_memory_bytes()
+        models = []
+        for model_id, runtime in self.models.items():
+            config = runtime.config
+            row: dict[str, Any] = {
+                "id": model_id,
+                "enabled": config.enabled,
+                "modality": config.modality,
+                "modalities": [config.modality],
+                "engine": config.engine,
+                "moe_offload": "off",
+                "expert_bytes": 0,
+                "loads": runtime.loads,
+            }
+            if model_id in self.tiers.entries:
+                row.update(self.tiers.model_status(model_id))
+            else:
+                row.update({"current_tier": str(MemoryTier.TIER3), "priority": config.priority,
+                            "active_leases": 0, "problem": runtime.problem})
+            models.append(row)
         return {
-            "ready": self.ready,
-            "models": {
-                model_id: {
-                    "current_tier": str(runtime.current_tier),
-                    "placement": runtime.placement().as_dict(),
-                    "active_leases": runtime.active_leases,
-                    "requests_served": runtime.requests_served,
-                    "load_error": runtime.load_error,
-                }
-                for model_id, runtime in self.models.items()
-            },
+            "capabilities": self.device.capabilities.as_dict(),
+            "tier1_vram_used_bytes": tier1["used"],
+            "tier1_vram_free_bytes": tier1["free"],
+            "tier1_vram_real_free_bytes": tier1["real_free"],
+            "tier1_vram_real_total_bytes": tier1["real_total"],
+            "tier1_vram_unaccounted_bytes": tier1["unaccounted"],
+            "tier1_vram_effective_free_bytes": tier1["effective_free"],
+            "tier2_pinned_ram_used_bytes": tier2_used,
+            "tier2_pinned_ram_free_bytes": max(self.tiers.tier2_budget - tier2_used, 0),
+            "physical_pool_free_bytes": None,
+            "process_footprint_bytes": footprint,
+            "process_memory_bytes": footprint,
+            "process_memory_cap_bytes": self.config.hardware.max_process_memory_bytes,
+            "gpu": self.device.gpu_health(),
+            "models": models,
+            "recent_evictions": list(self.tiers.recent_evictions),
         }
-
-
-class _Lease:
-    """A model serving a request is leased: never evicted or moved meanwhile."""
-
-    def __init__(self, worker: Worker, runtime: ModelRuntime):
-        self.worker, self.runtime = worker, runtime
-
-    def __enter__(self) -> ModelRuntime:
-        with self.worker._lock:
-            self.runtime.active_leases += 1
-        return self.runtime
-
-    def __exit__(self, *exc: object) -> None:
-        with self.worker._lock:
-            self.runtime.active_leases -= 1
-            self.runtime.last_used = time.monotonic()

@@ -21,7 +21,7 @@ def worker() -> Worker:
     """The embedded worker with the real SmolLM2 model, staged once for the session."""
     worker = get_embedded_worker()
     assert worker.wait_ready(120), "startup staging did not finish"
-    assert worker.models["smollm2-135m"].load_error is None
+    assert worker.models["smollm2-135m"].problem is None
     return worker
 
 

@@ -11,6 +11,7 @@ from django.core.management import call_command
 from hypnos_site.config import HypnosConfig
 from inference.engines.base import ChatResult, Engine
 from inference.worker import Worker
+from memory.planner import Footprint
 from memory.tiers import MemoryTier, Placement
 from models_registry.authentication import db_keys_present
 from tests.conftest import PARIS_MESSAGES
@@ -169,30 +170,41 @@ class FailingAfterOneTokenEngine(Engine):
     """Failure injection (a fake by design): emits one delta, then the engine breaks."""
 
     loaded = True
+    warm_bytes = 0
+    context_len = 4096
 
-    def load(self, context_len):  # pragma: no cover - never called, the engine starts loaded
+    def footprint(self) -> Footprint:
+        return Footprint(layer_bytes=(1,), other_bytes=0, kv_bytes_per_token=0, workspace_bytes=0)
+
+    def warm(self) -> float:
+        return 0.0
+
+    def load(self, context_len: int, gpu_layers: int):  # pragma: no cover - it starts loaded
         raise AssertionError
 
     def unload(self) -> None:
         pass
 
-    @property
-    def context_len(self) -> int:
-        return 4096
-
-    def placement(self) -> Placement:
-        return Placement(primary_tier=MemoryTier.TIER1)
+    def cool(self) -> None:
+        pass
 
     def chat(self, work, cancel: threading.Event, on_delta) -> ChatResult:
         on_delta("Hel")
         raise RuntimeError("decode failed")
 
 
+def with_engine(worker: Worker, engine: Engine) -> Worker:
+    runtime = worker.models["smollm2-135m"]
+    runtime.engine = engine
+    worker.tiers.register("smollm2-135m", "normal", engine.footprint())
+    worker.tiers.commit("smollm2-135m", MemoryTier.TIER1, Placement(primary_tier=MemoryTier.TIER1))
+    worker._staged.set()
+    return worker
+
+
 async def test_a_failure_mid_stream_is_an_error_chunk_then_done(api, settings, use_worker):
     worker = Worker(settings.HYPNOS)
-    worker._staged.set()
-    worker.models["smollm2-135m"].engine = FailingAfterOneTokenEngine(worker.models["smollm2-135m"].config, None, 1)
-    use_worker(worker)
+    use_worker(with_engine(worker, FailingAfterOneTokenEngine(worker.models["smollm2-135m"].config, None, 1)))
     events = await read_sse(await post_json(api, URL, CHAT | {"stream": True}))
     assert events[1]["choices"][0]["delta"] == {"content": "Hel"}
     assert events[-2]["choices"][0]["finish_reason"] == "error"

@@ -1,0 +1,327 @@
+"""The tier manager's ledger and decisions: what is booked where, what may be evicted, in which
+order, and why. It moves no bytes itself; the worker carries out its plans with the engines.
+
+Rules (spec §14, ARCHITECTURE.md "Memory tiers"):
+- a leased model is never evicted or moved;
+- eviction weighs priority first (`realtime_pinned` is never evicted), then the cost of losing a
+  model: its reload estimate times its request rate, decayed over about ten minutes;
+- an evicted model goes to tier 2 when its weights fit the warm budget, else to tier 3;
+- when nothing can make room the request gets 507 with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from memory.device import Device, HardwareLimits, process_memory_bytes
+from memory.planner import Footprint, cold_placement, plan_placement, warm_placement
+from memory.tiers import MemoryTier, Placement
+
+PRIORITY_RANK = {"low": 0, "normal": 1, "high": 2, "realtime_pinned": 3}
+RATE_WINDOW_SECS = 600.0
+RECENT_EVICTIONS = 20
+# Load speeds assumed before a model's own loads have been measured.
+DISK_READ_BYTES_PER_S = 1.5e9
+RAM_LOAD_BYTES_PER_S = 8e9
+
+
+class NoRoom(Exception):
+    """Nothing can make room; `reason` is the spec's error type."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class DecayingRate:
+    """Requests per minute, each request's weight decaying with a time constant of ten minutes."""
+
+    def __init__(self, clock: Any = time.monotonic):
+        self.clock = clock
+        self.value = 0.0
+        self.at = clock()
+
+    def tick(self) -> None:
+        self.value = self._decayed() + 1.0
+        self.at = self.clock()
+
+    def per_minute(self) -> float:
+        return self._decayed() / (RATE_WINDOW_SECS / 60)
+
+    def _decayed(self) -> float:
+        return self.value * math.exp(-(self.clock() - self.at) / RATE_WINDOW_SECS)
+
+
+@dataclass
+class Eviction:
+    model: str
+    to_tier: MemoryTier
+    reason: str
+
+
+@dataclass
+class Promotion:
+    placement: Placement
+    evictions: list[Eviction]
+
+
+@dataclass
+class ModelEntry:
+    model_id: str
+    priority: str
+    footprint: Footprint
+    tier: MemoryTier = MemoryTier.TIER3
+    placement: Placement = field(default_factory=lambda: Placement.on_disk(0))
+    leases: int = 0
+    requests_served: int = 0
+    last_used: float = 0.0
+    # Measured load times into tier 1, by the tier the load started from.
+    load_ms: dict[MemoryTier, float] = field(default_factory=dict)
+    rate: DecayingRate = field(default_factory=DecayingRate)
+
+    @property
+    def rank(self) -> int:
+        return PRIORITY_RANK[self.priority]
+
+    def tier1_bytes(self) -> int:
+        if self.tier != MemoryTier.TIER1:
+            return 0
+        return self.placement.vram_weight_bytes + self.placement.vram_kv_and_workspace_bytes
+
+    def tier2_bytes(self) -> int:
+        return self.placement.pinned_ram_bytes if self.tier in (MemoryTier.TIER1, MemoryTier.TIER2) else 0
+
+    def reload_estimate_ms(self, from_tier: MemoryTier) -> float:
+        if from_tier in self.load_ms:
+            return self.load_ms[from_tier]
+        speed = RAM_LOAD_BYTES_PER_S if from_tier == MemoryTier.TIER2 else DISK_READ_BYTES_PER_S
+        return self.footprint.weights_bytes / speed * 1000
+
+
+class TierManager:
+    """Thread-safe ledger of the three tiers for every model of the pool."""
+
+    def __init__(self, device: Device, limits: HardwareLimits, clock: Any = time.monotonic):
+        self.device = device
+        self.limits = limits
+        self.clock = clock
+        self.entries: dict[str, ModelEntry] = {}
+        self.recent_evictions: deque[dict[str, Any]] = deque(maxlen=RECENT_EVICTIONS)
+        self.lock = threading.RLock()
+
+    # -- registration and bookkeeping --------------------------------------------------------
+
+    def register(self, model_id: str, priority: str, footprint: Footprint) -> ModelEntry:
+        with self.lock:
+            entry = ModelEntry(model_id, priority, footprint, placement=cold_placement(footprint),
+                               rate=DecayingRate(self.clock), last_used=self.clock())
+            self.entries[model_id] = entry
+            return entry
+
+    def forget(self, model_id: str) -> None:
+        with self.lock:
+            self.entries.pop(model_id, None)
+
+    def lease(self, model_id: str, request: bool = True) -> None:
+        """Pin the model where it is; `request` counts it in the model's request rate."""
+        with self.lock:
+            entry = self.entries[model_id]
+            entry.leases += 1
+            if request:
+                entry.rate.tick()
+
+    def release(self, model_id: str, served: bool = True) -> None:
+        with self.lock:
+            entry = self.entries[model_id]
+            entry.leases -= 1
+            entry.last_used = self.clock()
+            if served:
+                entry.requests_served += 1
+
+    def commit(self, model_id: str, tier: MemoryTier, placement: Placement | None = None) -> None:
+        """Book a model in `tier` (before a load starts, so concurrent plans see the bytes)."""
+        with self.lock:
+            entry = self.entries[model_id]
+            entry.tier = tier
+            if placement is None:
+                placement = warm_placement(entry.footprint) if tier == MemoryTier.TIER2 else cold_placement(entry.footprint)
+            entry.placement = placement
+
+    def note_load(self, model_id: str, from_tier: MemoryTier, ms: float) -> None:
+        with self.lock:
+            self.entries[model_id].load_ms[from_tier] = ms
+
+    def record_eviction(self, eviction: Eviction, for_model: str | None) -> None:
+        with self.lock:
+            self.recent_evictions.appendleft(
+                {"model": eviction.model, "for_model": for_model, "reason": eviction.reason,
+                 "to_tier": str(eviction.to_tier), "unix_ms": int(time.time() * 1000)}
+            )
+
+    # -- budgets -----------------------------------------------------------------------------
+
+    @property
+    def tier1_budget(self) -> int:
+        return self.device.capabilities.usable_vram_budget_bytes
+
+    @property
+    def tier2_budget(self) -> int:
+        return self.device.capabilities.pinned_ram_budget_bytes
+
+    def tier1_used(self) -> int:
+        with self.lock:
+            return sum(e.tier1_bytes() for e in self.entries.values())
+
+    def tier2_used(self) -> int:
+        with self.lock:
+            return sum(e.tier2_bytes() for e in self.entries.values())
+
+    def tier1_counters(self) -> dict[str, int | None]:
+        """Booked, free, and what the device itself reports (spec §14)."""
+        used = self.tier1_used()
+        free = max(self.tier1_budget - used, 0)
+        real = self.device.real_vram()
+        if real is None:
+            return {"used": used, "free": free, "real_free": None, "real_total": None,
+                    "unaccounted": 0, "effective_free": free}
+        real_free, real_total = real
+        unaccounted = max(real_total - real_free - used, 0)
+        return {"used": used, "free": free, "real_free": real_free, "real_total": real_total,
+                "unaccounted": unaccounted, "effective_free": min(free, real_free)}
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def evictable(self, for_model: str, tiers: tuple[MemoryTier, ...]) -> list[ModelEntry]:
+        """Idle models in `tiers` that the requesting model may displace, cheapest loss first."""
+        requester = self.entries[for_model]
+        found = [
+            e for e in self.entries.values()
+            if e.model_id != for_model and e.tier in tiers and e.leases == 0
+            and e.priority != "realtime_pinned" and e.rank <= requester.rank
+        ]
+        return sorted(found, key=lambda e: (e.rank, self._loss_cost(e), e.last_used))
+
+    def _loss_cost(self, entry: ModelEntry) -> float:
+        return entry.reload_estimate_ms(MemoryTier.TIER3) * entry.rate.per_minute()
+
+    def plan_promotion(self, model_id: str, context_len: int) -> Promotion:
+        """The placement for `model_id` in tier 1 and the evictions that make room for it,
+        preferring a whole placement with evictions to a partial one without."""
+        with self.lock:
+            entry = self.entries[model_id]
+            own = entry.tier1_bytes()
+            free = self.tier1_counters()["effective_free"] + own  # type: ignore[operator]
+            victims = self.evictable(model_id, (MemoryTier.TIER1,))
+            fp, ratio = entry.footprint, self.limits.min_gpu_layer_ratio
+            chosen = self._fewest_victims(fp, context_len, free, ratio, victims, whole=True)
+            if chosen is None:
+                chosen = self._fewest_victims(fp, context_len, free, ratio, victims, whole=False)
+            if chosen is None:
+                raise NoRoom(
+                    "insufficient_vram_or_ram",
+                    f"The model {model_id!r} needs {fp.resident_bytes(context_len)} bytes in tier 1 "
+                    f"({context_len} tokens of context); {free} are free and "
+                    f"{sum(v.tier1_bytes() for v in victims)} more could be freed from idle models "
+                    f"(budget {self.tier1_budget}, min_gpu_layer_ratio {ratio}).",
+                )
+            placement, n = chosen
+            reason = "full_gpu_placement" if placement.gpu_layers == fp.n_layers and n else "memory_budget"
+            evictions = self._destinations(victims[:n], reason, placement.pinned_ram_bytes)
+            evictions += self._warm_room(model_id, placement.pinned_ram_bytes, evictions)
+            self._check_process_cap(entry, placement, evictions)
+            return Promotion(placement, evictions)
+
+    def _fewest_victims(self, fp: Footprint, context_len: int, free: int, ratio: float,
+                        victims: list[ModelEntry], whole: bool) -> tuple[Placement, int] | None:
+        freed = 0
+        for n in range(len(victims) + 1):
+            if n:
+                freed += victims[n - 1].tier1_bytes()
+            placement = plan_placement(fp, context_len, free + freed, ratio)
+            if placement is not None and (not whole or placement.gpu_layers == fp.n_layers):
+                return placement, n
+        return None
+
+    def _destinations(self, victims: list[ModelEntry], reason: str, reserved_tier2: int) -> list[Eviction]:
+        """Each victim goes warm to tier 2 while the warm budget holds it, else to disk."""
+        room = self.tier2_budget - self.tier2_used() - reserved_tier2
+        evictions = []
+        for victim in victims:
+            room += victim.tier2_bytes()
+            if victim.footprint.weights_bytes <= room:
+                room -= victim.footprint.weights_bytes
+                evictions.append(Eviction(victim.model_id, MemoryTier.TIER2, reason))
+            else:
+                evictions.append(Eviction(victim.model_id, MemoryTier.TIER3, reason))
+        return evictions
+
+    def _warm_room(self, model_id: str, needed: int, planned: list[Eviction]) -> list[Eviction]:
+        """Tier-2 models to send to disk so that `needed` warm bytes fit next to `planned`."""
+        entry = self.entries[model_id]
+        moving = {e.model for e in planned}
+        used = self.tier2_used() - entry.tier2_bytes() + sum(
+            self.entries[e.model].footprint.weights_bytes - self.entries[e.model].tier2_bytes()
+            for e in planned if e.to_tier == MemoryTier.TIER2
+        )
+        extra = []
+        for victim in self.evictable(model_id, (MemoryTier.TIER2,)):
+            if used + needed <= self.tier2_budget:
+                break
+            if victim.model_id not in moving:
+                used -= victim.tier2_bytes()
+                extra.append(Eviction(victim.model_id, MemoryTier.TIER3, "memory_budget"))
+        if used + needed > self.tier2_budget:
+            raise NoRoom("insufficient_vram_or_ram",
+                         f"The model {model_id!r} needs {needed} bytes of warm host memory; the tier-2 budget "
+                         f"is {self.tier2_budget} and {used} of it is held by models that cannot move now.")
+        return extra
+
+    def plan_warm(self, model_id: str) -> list[Eviction]:
+        """Evictions to disk that make room to hold `model_id`'s weights in tier 2."""
+        with self.lock:
+            entry = self.entries[model_id]
+            return self._warm_room(model_id, entry.footprint.weights_bytes, [])
+
+    def _check_process_cap(self, entry: ModelEntry, placement: Placement, evictions: list[Eviction]) -> None:
+        cap = self.limits.max_process_memory_bytes
+        if cap is None:
+            return
+        added = placement.vram_kv_and_workspace_bytes
+        if entry.tier == MemoryTier.TIER3:
+            added += entry.footprint.weights_bytes
+        released = 0
+        for eviction in evictions:
+            victim = self.entries[eviction.model]
+            released += victim.placement.vram_kv_and_workspace_bytes if victim.tier == MemoryTier.TIER1 else 0
+            if eviction.to_tier == MemoryTier.TIER3:
+                released += victim.footprint.weights_bytes
+        projected = process_memory_bytes() + added - released
+        if projected > cap:
+            raise NoRoom("process_memory_cap",
+                         f"Loading {entry.model_id!r} would take the process to about {projected} bytes, above "
+                         f"hardware.max_process_memory_bytes ({cap}).")
+
+    # -- status ------------------------------------------------------------------------------
+
+    def model_status(self, model_id: str) -> dict[str, Any]:
+        with self.lock:
+            e = self.entries[model_id]
+            room = self.tier2_budget - self.tier2_used() + e.tier2_bytes()
+            lands = MemoryTier.TIER2 if e.footprint.weights_bytes <= room else MemoryTier.TIER3
+            return {
+                "total_weight_bytes": e.footprint.weights_bytes,
+                "priority": e.priority,
+                "current_tier": str(e.tier),
+                "placement": e.placement.as_dict(),
+                "active_leases": e.leases,
+                "idle_seconds": round(self.clock() - e.last_used, 1) if e.leases == 0 else 0.0,
+                "total_requests_served": e.requests_served,
+                "requests_per_minute": round(e.rate.per_minute(), 3),
+                "reload_estimate_ms": round(e.reload_estimate_ms(lands), 1),
+            }

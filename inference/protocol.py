@@ -90,6 +90,12 @@ class ChatCompletionRequest(_Wire):
         return stops
 
 
+class MemoryTierRequest(_Wire):
+    model: str = Field(min_length=1)
+    target_tier: Literal["tier1_gpu_vram", "tier2_pinned_ram", "tier3_nvme_ssd"]
+    context_len: int | None = Field(default=None, ge=256)
+
+
 M = TypeVar("M", bound=BaseModel)
 
 

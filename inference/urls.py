@@ -5,5 +5,7 @@ from inference import views
 urlpatterns = [
     path("chat/completions", views.ChatCompletionsView.as_view()),
     path("models", views.ModelListView.as_view()),
+    path("memory/status", views.MemoryStatusView.as_view()),
+    path("memory/tier", views.MemoryTierView.as_view()),
     re_path(r"^.*$", views.UnknownRouteView.as_view()),
 ]

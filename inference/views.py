@@ -5,14 +5,14 @@ from __future__ import annotations
 import time
 
 from adrf.views import APIView
-from django.conf import settings
 from django.http import HttpRequest, JsonResponse
 from rest_framework.request import Request
 
 from hypnos_site import __version__
 from inference.client import get_client
 from inference.errors import NotFound
-from inference.protocol import ChatCompletionRequest, parse_body
+from inference import latency
+from inference.protocol import ChatCompletionRequest, MemoryTierRequest, parse_body
 from inference.serving import chat, models
 
 STARTED_AT = time.time()
@@ -27,6 +27,19 @@ class ChatCompletionsView(APIView):
 class ModelListView(APIView):
     async def get(self, request: Request) -> JsonResponse:
         return JsonResponse(await models.list_models(get_client()))
+
+
+class MemoryStatusView(APIView):
+    async def get(self, request: Request) -> JsonResponse:
+        status = await get_client().control("memory_status")
+        status["latency"] = {"routes": latency.routes.summary(), "workflows": {}}
+        return JsonResponse(status)
+
+
+class MemoryTierView(APIView):
+    async def post(self, request: Request) -> JsonResponse:
+        body = parse_body(MemoryTierRequest, request.data)
+        return JsonResponse(await get_client().control("move", body.model_dump()))
 
 
 class UnknownRouteView(APIView):
@@ -62,5 +75,3 @@ def handler500(request: HttpRequest) -> JsonResponse:
 
     return ServerError("internal error").response()
 
-
-__all__ = ["settings"]

@@ -14,6 +14,7 @@ log = logging.getLogger(__name__)
 # Deltas waiting together are sent as one message; this bounds how long the first one waits.
 DELTA_BATCH_SECS = 0.005
 RECEIVE_RETRY_SECS = 1.0
+TERMINAL = ("done", "error", "result")
 
 
 class ChannelServer:
@@ -60,9 +61,7 @@ class ChannelServer:
         if message.get("ack_deadline", 0) < time.time():
             log.warning("dropping %s %s: the web process stopped waiting for it", kind, message.get("request_id", ""))
             return
-        if kind == "inference.status":
-            await self.layer.send(message["reply_channel"], {"status": self.worker.status()})
-        elif kind == "inference.request":
+        if kind == "inference.request":
             self._track(asyncio.create_task(self._run(message)))
 
     def _track(self, task: asyncio.Task[None]) -> None:
@@ -92,7 +91,7 @@ class ChannelServer:
                     continue
                 event = terminal
             await send(event)
-            if event["kind"] in ("done", "error"):
+            if event["kind"] in TERMINAL:
                 return
 
 

@@ -41,6 +41,8 @@ Event = dict[str, Any]
 Sink = Callable[[Event], None]
 # How often a request waiting for a slot looks at its cancel flag.
 SLOT_POLL_SECS = 0.05
+MIN_CONTEXT = 2048
+CONTROL_OPS = ("status", "memory_status", "move")
 NO_ROOM_ERRORS = {"insufficient_vram_or_ram": InsufficientMemory, "process_memory_cap": ProcessMemoryCap}
 
 
@@ -64,6 +66,15 @@ class TierSwitch:
     previous_tier: MemoryTier
     phases: LoadPhases | None = None
     evicted: list[str] = field(default_factory=list)
+
+
+def needed_context(work: ChatWork) -> int:
+    """The request's num_ctx, else an estimate from the prompt and max_tokens with a floor of
+    2048 (spec §7.1); about three characters make a token."""
+    if work.num_ctx:
+        return work.num_ctx
+    chars = sum(len(str(m.get("content") or "")) for m in work.messages)
+    return max(MIN_CONTEXT, chars // 3 + work.max_tokens)
 
 
 def hardware_limits(config: HypnosConfig) -> HardwareLimits:
@@ -148,7 +159,11 @@ class Worker:
         return runtime
 
     def submit(self, request: dict[str, Any], sink: Sink) -> None:
-        """Admit a request or refuse it at once; an admitted one runs on a worker thread."""
+        """Admit a request or refuse it at once; an admitted one runs on a worker thread.
+        Control operations (status, memory_status, move) answer with one `result` event."""
+        if request.get("op") in CONTROL_OPS:
+            self._executor.submit(self._control, request["op"], request.get("payload") or {}, sink)
+            return
         try:
             if not self.ready:
                 raise ModelNotAvailable(STILL_STAGING)
@@ -169,6 +184,24 @@ class Worker:
         cancel = threading.Event()
         self._cancels[request["request_id"]] = cancel
         self._executor.submit(self._run, runtime, request["request_id"], work, cancel, sink)
+
+    def _control(self, op: str, payload: dict[str, Any], sink: Sink) -> None:
+        try:
+            if op == "status":
+                result: Any = self.status()
+            elif op == "memory_status":
+                result = self.memory_status()
+            else:
+                if not self.ready:
+                    raise ModelNotAvailable(STILL_STAGING)
+                placement = self.move(payload["model"], MemoryTier(payload["target_tier"]), payload.get("context_len"))
+                result = {"model": self.resolve(payload["model"]).config.id, "placement": placement.as_dict()}
+            sink({"kind": "result", "result": result})
+        except HypnosError as exc:
+            sink(exc.as_event())
+        except Exception as exc:
+            log.exception("control operation %s failed", op)
+            sink(ServerError(f"{op} failed: {type(exc).__name__}: {exc}").as_event())
 
     def abort(self, request_id: str) -> None:
         cancel = self._cancels.get(request_id)
@@ -214,8 +247,7 @@ class Worker:
 
     def _serve_chat(self, runtime: ModelRuntime, engine: Engine, work: ChatWork, cancel: threading.Event,
                     sink: Sink, queue_ms: float) -> None:
-        wanted_ctx = max(runtime.config.context_len, work.num_ctx or 0)
-        switch = self._ensure_tier1(runtime, wanted_ctx)
+        switch = self._ensure_tier1(runtime, needed_context(work))
         sink({"kind": "started", "previous_tier": str(switch.previous_tier)})
         sent = False
 
@@ -280,16 +312,18 @@ class Worker:
         return engine
 
     def _ensure_tier1(self, runtime: ModelRuntime, context_len: int) -> TierSwitch:
-        """Bring the (leased) model to tier 1 with at least `context_len` tokens of context, up
-        to what it was trained for. Single-flight: concurrent requests wait for one load."""
+        """Bring the (leased) model to tier 1 with at least `context_len` tokens of context (a
+        load allocates at least the model's configured context_len), up to what the model was
+        trained for. Single-flight: concurrent requests wait for one load."""
         model_id = runtime.config.id
         with runtime.load_lock:
             engine = runtime.engine
             assert engine is not None
             entry = self.tiers.entries[model_id]
-            wanted = min(context_len, engine.trained_context_len or context_len)
-            if engine.loaded and engine.context_len >= wanted:
+            trained = engine.trained_context_len or context_len
+            if engine.loaded and engine.context_len >= min(context_len, trained):
                 return TierSwitch(previous_tier=MemoryTier.TIER1)
+            wanted = min(max(context_len, runtime.config.context_len), trained)
             switch = TierSwitch(previous_tier=entry.tier)
             with self._placement_lock:
                 placement, evictions = self._plan(model_id, wanted)

@@ -110,15 +110,19 @@ async def test_the_same_seed_gives_the_same_sampled_answer(api):
 
 
 async def test_a_larger_num_ctx_rebuilds_the_context(api, worker):
-    request = {"model": MODEL, "messages": PARIS_MESSAGES, "max_tokens": 2, "num_ctx": 3072}
+    larger = worker.models[MODEL].engine.context_len + 512
+    request = {"model": MODEL, "messages": PARIS_MESSAGES, "max_tokens": 2, "num_ctx": larger}
     telemetry = (await post_json(api, URL, request)).json()["hypnos_telemetry"]
-    assert telemetry["placement"]["allocated_context_len"] == 3072
-    assert telemetry["tier_switch_phases"]["total_ms"] > 0
-    assert worker.models[MODEL].engine.context_len == 3072
+    assert telemetry["placement"]["allocated_context_len"] == larger
+    assert telemetry["previous_tier"] == "tier1_gpu_vram"
+    assert telemetry["tier_switch_phases"]["context_ms"] > 0
+    assert worker.models[MODEL].engine.context_len == larger
+    again = (await post_json(api, URL, request | {"num_ctx": 2048})).json()["hypnos_telemetry"]
+    assert again["tier_switch_latency_ms"] == 0.0  # a smaller need is served by the larger context
 
 
-async def test_a_prompt_longer_than_the_context_is_a_400(api):
-    long = [{"role": "user", "content": "hello " * 3300}]
+async def test_a_prompt_longer_than_the_trained_context_is_a_400(api):
+    long = [{"role": "user", "content": "hello " * 9000}]  # ~9000 tokens; SmolLM2 was trained for 8192
     response = await post_json(api, URL, {"model": MODEL, "messages": long})
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
@@ -177,7 +181,8 @@ async def test_models_lists_the_pool_with_its_tier(api):
     response = await api.get("/v1/models")
     body = response.json()
     assert body["object"] == "list"
-    [model] = body["data"]
+    assert [m["id"] for m in body["data"]] == [MODEL, "qwen2.5-coder-0.5b"]
+    model = body["data"][0]
     assert model["id"] == MODEL and model["object"] == "model" and model["owned_by"] == "hypnos"
     assert model["modality"] == "text_generation"
     assert model["current_tier"] == "tier1_gpu_vram"

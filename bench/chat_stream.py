@@ -669,11 +669,11 @@ def tokens_line(rows: list[dict[str, Any]]) -> str:
 def conditions_line(rows: list[dict[str, Any]], max_foreign_cpu_pct: float) -> str:
     """Runs disturbed by other processes (kept, and redone), and requests sent again."""
     disturbed = ", ".join(
-        f"{row['target']} {row['disturbed_runs']}/{row['runs']} kept, {row['discarded_runs']} redone" for row in rows
+        f"{row['target']} {row['disturbed_runs']}/{row['runs']} ({row['discarded_runs']} redone)" for row in rows
     )
     failed = ", ".join(f"{row['target']} {row['failed_requests']}" for row in rows)
     return (
-        f"runs disturbed by other processes (>{max_foreign_cpu_pct:g}% CPU): {disturbed}; "
+        f"runs disturbed by other processes (>{max_foreign_cpu_pct:g}% of the CPU): {disturbed}; "
         f"failed requests (retried): {failed}"
     )
 

@@ -133,6 +133,12 @@ class Worker:
     def _stage(self) -> None:
         """Bring each enabled model to its `initial_tier` (spec §3), tier 1 first."""
         try:
+            for runtime in self.models.values():
+                try:
+                    with self._placement_lock:
+                        self._engine(runtime)  # registers the footprint, so status shows every model
+                except HypnosError as exc:
+                    runtime.problem = exc.message
             order = sorted(self.models.values(), key=lambda r: r.config.initial_tier)
             for runtime in order:
                 if not runtime.config.enabled or runtime.config.initial_tier == MemoryTier.TIER3:
@@ -220,6 +226,7 @@ class Worker:
     def _run(self, runtime: ModelRuntime, request_id: str, work: ChatWork, cancel: threading.Event, sink: Sink) -> None:
         arrived = time.perf_counter()
         holding_slot = leased = False
+        final: Event | None = None
         try:
             while not runtime.slots.acquire(timeout=SLOT_POLL_SECS):
                 if cancel.is_set():
@@ -230,13 +237,15 @@ class Worker:
                 self.tiers.lease(runtime.config.id)
                 leased = True
             queue_ms = (time.perf_counter() - arrived) * 1000
-            self._serve_chat(runtime, engine, work, cancel, sink, queue_ms)
+            final = self._serve_chat(runtime, engine, work, cancel, sink, queue_ms)
         except HypnosError as exc:
-            sink(exc.as_event())
+            final = exc.as_event()
         except Exception as exc:
             log.exception("request %s on %s failed", request_id, runtime.config.id)
-            sink(ServerError(f"The engine failed: {type(exc).__name__}: {exc}").as_event())
+            final = ServerError(f"The engine failed: {type(exc).__name__}: {exc}").as_event()
         finally:
+            # Everything is released before the client hears the end, so its next request
+            # never finds this one's lease or slot still held.
             if leased:
                 self.tiers.release(runtime.config.id)
             if holding_slot:
@@ -244,9 +253,12 @@ class Worker:
             with self._lock:
                 runtime.admitted -= 1
             self._cancels.pop(request_id, None)
+            if final is not None:
+                sink(final)
 
     def _serve_chat(self, runtime: ModelRuntime, engine: Engine, work: ChatWork, cancel: threading.Event,
-                    sink: Sink, queue_ms: float) -> None:
+                    sink: Sink, queue_ms: float) -> Event:
+        """Run the chat, streaming deltas into `sink`; the terminal `done` event is returned."""
         switch = self._ensure_tier1(runtime, needed_context(work))
         sink({"kind": "started", "previous_tier": str(switch.previous_tier)})
         sent = False
@@ -276,19 +288,17 @@ class Worker:
         }
         if switch.phases:
             telemetry["tier_switch_phases"] = switch.phases.as_dict()
-        sink(
-            {
-                "kind": "done",
-                "finish_reason": result.finish_reason,
-                "usage": {
-                    "prompt_tokens": result.prompt_tokens,
-                    "completion_tokens": result.completion_tokens,
-                    "total_tokens": result.prompt_tokens + result.completion_tokens,
-                    "cached_tokens": result.cached_tokens,
-                },
-                "telemetry": telemetry,
-            }
-        )
+        return {
+            "kind": "done",
+            "finish_reason": result.finish_reason,
+            "usage": {
+                "prompt_tokens": result.prompt_tokens,
+                "completion_tokens": result.completion_tokens,
+                "total_tokens": result.prompt_tokens + result.completion_tokens,
+                "cached_tokens": result.cached_tokens,
+            },
+            "telemetry": telemetry,
+        }
 
     # -- tiers -------------------------------------------------------------------------------
 

@@ -80,3 +80,23 @@ def test_without_a_worker_requests_get_a_503_in_bounded_time(tmp_path, redis_url
         assert "runinference" in response.json()["error"]["message"]
     finally:
         web.stop()
+
+
+def test_memory_status_and_tier_moves_cross_the_channel_layer(distributed: Server):
+    base = distributed.base_url
+    status = httpx.get(f"{base}/v1/memory/status", timeout=30).json()
+    assert status["capabilities"]["simulated"] is True
+    [model] = status["models"]
+    assert model["id"] == "smollm2-135m" and model["current_tier"] == "tier1_gpu_vram"
+    assert status["tier1_vram_used_bytes"] == (
+        model["placement"]["vram_weight_bytes"] + model["placement"]["vram_kv_and_workspace_bytes"])
+    moved = httpx.post(f"{base}/v1/memory/tier", json={"model": "smollm2-135m", "target_tier": "tier2_pinned_ram"},
+                       timeout=60)
+    assert moved.status_code == 200 and moved.json()["placement"]["primary_tier"] == "tier2_pinned_ram"
+    answer = httpx.post(f"{base}/v1/chat/completions", timeout=60,
+                        json={"model": "smollm2-135m", "messages": PARIS_MESSAGES, "max_tokens": 2}).json()
+    telemetry = answer["hypnos_telemetry"]
+    assert telemetry["previous_tier"] == "tier2_pinned_ram"
+    assert telemetry["tier_switch_phases"]["load_mode"] == "mmap"
+    assert httpx.post(f"{base}/v1/memory/tier", json={"model": "nope", "target_tier": "tier1_gpu_vram"},
+                      timeout=30).status_code == 404

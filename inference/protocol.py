@@ -66,11 +66,53 @@ class StreamOptions(_Wire):
     include_usage: bool | None = None
 
 
-class ChatCompletionRequest(_Wire):
-    model: str = Field(min_length=1)
-    messages: list[ChatMessage] = Field(min_length=1)
+class FunctionDefinition(_Wire):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Wire):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Wire):
+    name: str
+
+
+class NamedToolChoice(_Wire):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Wire):
+    name: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Wire):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    # llama.cpp's server and llama-cpp-python take the schema here for json_object too.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+    def schema_or_none(self) -> dict[str, Any] | None:
+        """The schema the output must match; {} for any JSON object; None for free text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise InvalidRequest("response_format json_schema needs a json_schema object", param="response_format")
+            return self.json_schema.schema_ or {}
+        return self.schema_ or {}
+
+
+class SamplingFields(_Wire):
+    """What chat and completions share (compat.md)."""
+
     max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)
@@ -78,6 +120,9 @@ class ChatCompletionRequest(_Wire):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repeat_penalty: float = Field(default=1.0, ge=1, le=2)
     num_ctx: int | None = Field(default=None, ge=1)
     ctx_size: int | None = Field(default=None, ge=1)
 
@@ -88,6 +133,50 @@ class ChatCompletionRequest(_Wire):
         if len(stops) > 4:
             raise InvalidRequest("stop takes at most 4 strings", param="stop")
         return stops
+
+
+class ChatCompletionRequest(SamplingFields):
+    model: str = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # Thinking (spec §7.1): accepted; models without a thinking format ignore it.
+    think: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    enable_thinking: bool | None = None
+    thinking: bool | None = None
+
+    def tool_choice_value(self) -> str | dict[str, str]:
+        """"auto" | "none" | "required" | {"name": ...}, checked against `tools`."""
+        choice = self.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or []}
+            if choice.function.name not in names:
+                raise InvalidRequest(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                                     param="tool_choice")
+            return {"name": choice.function.name}
+        if choice == "required" and not self.tools:
+            raise InvalidRequest("tool_choice is required but no tools were sent", param="tool_choice")
+        return choice
+
+
+class CompletionRequest(SamplingFields):
+    model: str = Field(min_length=1)
+    prompt: str | list[str]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompt_text(self) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if len(self.prompt) != 1:
+            raise InvalidRequest("prompt as an array takes exactly one string here", param="prompt")
+        return self.prompt[0]
 
 
 class MemoryTierRequest(_Wire):

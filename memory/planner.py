@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from memory.gguf import read_gguf
+from memory.gguf import GgufInfo, read_gguf
 from memory.tiers import MemoryTier, Placement
 
 KV_BYTES_PER_ELEMENT = 2  # f16 KV cache, llama.cpp's default
@@ -46,7 +46,10 @@ class Footprint:
 
 
 def footprint_from_gguf(path: str | Path) -> Footprint:
-    info = read_gguf(path)
+    return footprint_from_info(read_gguf(path))
+
+
+def footprint_from_info(info: GgufInfo) -> Footprint:
     layers: dict[int, int] = {}
     other = 0
     for tensor in info.tensors:

@@ -56,6 +56,22 @@ class ChatWork:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     num_ctx: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    # OpenAI tool objects and "auto" | "none" | "required" | {"name": ...}.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] = "auto"
+    # A JSON schema the output must match ({} for any JSON object), enforced with a grammar.
+    json_schema: dict[str, Any] | None = None
+    # Log probabilities of each sampled token, with this many alternatives (None: off).
+    top_logprobs: int | None = None
+    # /v1/completions: the prompt as given, no chat template.
+    raw_prompt: str | None = None
+
+
+#: A piece of streamed answer text and, when asked for, its tokens' log probabilities.
+DeltaSink = Callable[[str, "list[dict[str, Any]] | None"], None]
 
 
 @dataclass
@@ -67,6 +83,7 @@ class ChatResult:
     prefill_ms: float
     decode_ms: float
     ttft_ms: float
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
     def engine_timings(self) -> dict[str, Any]:
         prefill_tokens = max(self.prompt_tokens - self.cached_tokens, 0)
@@ -142,7 +159,11 @@ class Engine(ABC):
     def cool(self) -> None:
         """Release everything and drop the file's page cache."""
 
-    def chat(self, work: ChatWork, cancel: threading.Event, on_delta: Callable[[str], None]) -> ChatResult:
+    def capabilities(self) -> set[str]:
+        """What the model can do beyond its modality: `tools`, `thinking`."""
+        return set()
+
+    def chat(self, work: ChatWork, cancel: threading.Event, on_delta: DeltaSink) -> ChatResult:
         raise NotImplementedError(f"{type(self).__name__} does not serve chat completions")
 
 

@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import codecs
+import json
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 import llama_cpp._internals as internals
+import numpy as np
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+from llama_cpp.llama_grammar import JSON_GBNF
 
 from hypnos_site.config import ModelConfig
-from inference.engines.base import ChatResult, ChatWork, Engine, LoadPhases, WarmCopy, drop_page_cache
+from inference.engines.base import ChatResult, ChatWork, DeltaSink, Engine, LoadPhases, WarmCopy, drop_page_cache
 from inference.engines.text import StopMatcher
+from inference.engines.tools import call_schema, may_become_call, parse_tool_calls
 from inference.errors import ContextLengthExceeded, DeviceOutOfMemory, InvalidRequest, ModelNotAvailable
-from memory.planner import Footprint, footprint_from_gguf
+from memory.gguf import read_gguf
+from memory.planner import Footprint, footprint_from_info
 
 # Sampling defaults when the request leaves a value out (llama.cpp's own defaults).
 DEFAULT_SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 40}
@@ -49,6 +55,7 @@ class LlamaEngine(Engine):
         self._formatter: Jinja2ChatFormatter | None = None
         self._warm: WarmCopy | None = None
         self._footprint: Footprint | None = None
+        self._metadata: dict[str, object] = {}
 
     @property
     def loaded(self) -> bool:
@@ -65,9 +72,11 @@ class LlamaEngine(Engine):
     def footprint(self) -> Footprint:
         if self._footprint is None:
             try:
-                self._footprint = footprint_from_gguf(self.weights)
+                info = read_gguf(self.weights)
             except (OSError, ValueError, KeyError) as exc:
                 raise ModelNotAvailable(f"model {self.model.id!r}: {self.weights} is not a readable GGUF: {exc}") from exc
+            self._metadata = info.metadata
+            self._footprint = footprint_from_info(info)
         return self._footprint
 
     @property
@@ -116,14 +125,21 @@ class LlamaEngine(Engine):
             self._warm = None
         drop_page_cache(self.weights)
 
-    def chat(self, work: ChatWork, cancel: threading.Event, on_delta: Callable[[str], None]) -> ChatResult:
-        llm, formatter = self._llm, self._formatter
-        assert llm is not None and formatter is not None, "chat on an unloaded engine"
-        try:
-            prompt = formatter(messages=work.messages).prompt
-        except Exception as exc:  # jinja2 raises whatever the template's raise_exception says
-            raise InvalidRequest(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
-        tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
+    def capabilities(self) -> set[str]:
+        self.footprint()
+        template = str(self._metadata.get("tokenizer.chat_template", ""))
+        found = set()
+        if "tools" in template:
+            found.add("tools")
+        if "<think>" in template:
+            found.add("thinking")
+        return found
+
+    def chat(self, work: ChatWork, cancel: threading.Event, on_delta: DeltaSink) -> ChatResult:
+        llm = self._llm
+        assert llm is not None, "chat on an unloaded engine"
+        plan = self._prompt(llm, work)
+        tokens = llm.tokenize(plan.prompt.encode("utf-8"), add_bos=plan.add_bos, special=plan.special)
         n_ctx = llm.n_ctx()
         if len(tokens) >= n_ctx:
             raise ContextLengthExceeded(
@@ -137,7 +153,47 @@ class LlamaEngine(Engine):
             llm.reset()
         cached = self._cached_prefix(tokens)
         llm.set_seed(work.seed if work.seed is not None else random.randrange(2**31))
-        return self._generate(llm, tokens, cached, work, min(work.max_tokens, n_ctx - len(tokens)), cancel, on_delta)
+        output = _Output(on_delta, hold=plan.tool_names is not None, forced=plan.forced_prefix is not None)
+        result = self._generate(llm, tokens, cached, work, plan.grammar, min(work.max_tokens, n_ctx - len(tokens)),
+                                cancel, output)
+        if plan.tool_names is not None:
+            text = (plan.forced_prefix or "") + output.held_text()
+            content, calls = parse_tool_calls(text, plan.tool_names)
+            if calls:
+                result.tool_calls = [call.as_openai(i) for i, call in enumerate(calls)]
+                result.finish_reason = "tool_calls"
+                output.release(content)
+            else:
+                output.release(output.held_text())
+        return result
+
+    def _prompt(self, llm: llama_cpp.Llama, work: ChatWork) -> _PromptPlan:
+        """The prompt text, the grammar and the tool handling of one request."""
+        schema = work.json_schema
+        if work.raw_prompt is not None:
+            return _PromptPlan(work.raw_prompt, add_bos=True, special=False, grammar=_grammar(schema))
+        assert self._formatter is not None
+        messages = [_template_message(m) for m in work.messages]
+        tools = work.tools if work.tools and work.tool_choice != "none" else None
+        # After a tool result the small models answer well only without the tools in view
+        # (offered again, they call the same tool again): render the follow-up without them.
+        if tools and messages[-1]["role"] == "tool":
+            tools = None
+        try:
+            prompt = self._formatter(messages=messages, tools=tools).prompt
+        except Exception as exc:  # jinja2 raises whatever the template's raise_exception says
+            raise InvalidRequest(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
+        if not tools:
+            return _PromptPlan(prompt, grammar=_grammar(schema))
+        names = {t["function"]["name"] for t in tools}
+        choice = work.tool_choice
+        if choice == "auto":
+            return _PromptPlan(prompt, tool_names=names)
+        # "required" or a named function: the answer starts as a call and a grammar keeps it one.
+        forced = [t for t in tools if isinstance(choice, dict) and t["function"]["name"] == choice["name"]] or tools
+        prefix = "<tool_call>\n"
+        return _PromptPlan(prompt + prefix, tool_names=names, forced_prefix=prefix,
+                           grammar=_grammar(call_schema(forced)))
 
     def _generate(
         self,
@@ -145,9 +201,10 @@ class LlamaEngine(Engine):
         tokens: list[int],
         cached: int,
         work: ChatWork,
+        grammar: llama_cpp.LlamaGrammar | None,
         max_tokens: int,
         cancel: threading.Event,
-        on_delta: Callable[[str], None],
+        output: _Output,
     ) -> ChatResult:
         stops = StopMatcher(work.stop)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -159,7 +216,10 @@ class LlamaEngine(Engine):
             temp=_pick(work.temperature, "temperature"),
             top_p=_pick(work.top_p, "top_p"),
             top_k=_pick(work.top_k, "top_k"),
-            repeat_penalty=1.0,
+            repeat_penalty=work.repeat_penalty,
+            frequency_penalty=work.frequency_penalty,
+            presence_penalty=work.presence_penalty,
+            grammar=grammar,
         )
         try:
             for token in _oom_as_typed(generator):
@@ -168,9 +228,10 @@ class LlamaEngine(Engine):
                     finish = "stop"
                     break
                 produced += 1
-                text, stopped = stops.feed(decoder.decode(llm.detokenize([token], special=False)))
-                if text:
-                    on_delta(text)
+                piece = llm.detokenize([token], special=False)
+                logprobs = _token_logprobs(llm, token, piece, work.top_logprobs) if work.top_logprobs is not None else None
+                text, stopped = stops.feed(decoder.decode(piece))
+                output.emit(text, logprobs)
                 if stopped:
                     finish = "stop"
                     break
@@ -182,9 +243,7 @@ class LlamaEngine(Engine):
         finally:
             generator.close()
         # After a stop string the matcher holds nothing; otherwise release what it held back.
-        tail = stops.flush() + decoder.decode(b"", final=True)
-        if tail:
-            on_delta(tail)
+        output.emit(stops.flush() + decoder.decode(b"", final=True), None)
         ended = time.perf_counter()
         first_at = first_at or ended
         return ChatResult(
@@ -221,6 +280,101 @@ class LlamaEngine(Engine):
             bos_token=model.token_get_text(bos) if bos != -1 else "",
             stop_token_ids=[eos],
         )
+
+
+@dataclass
+class _PromptPlan:
+    prompt: str
+    add_bos: bool = False
+    special: bool = True
+    grammar: llama_cpp.LlamaGrammar | None = None
+    # Declared tool names when the output may hold calls; the text the answer was started with.
+    tool_names: set[str] | None = None
+    forced_prefix: str | None = None
+
+
+class _Output:
+    """Passes answer text on as it comes, except while it may still turn out to be a tool call
+    (or surely is one): that text is held until the end, then parsed."""
+
+    def __init__(self, on_delta: DeltaSink, hold: bool, forced: bool):
+        self.on_delta = on_delta
+        self.holding = hold
+        self.forced = forced
+        self.held: list[str] = []
+        self.held_logprobs: list[dict[str, Any]] = []
+
+    def emit(self, text: str, logprobs: list[dict[str, Any]] | None) -> None:
+        if self.holding:
+            self.held.append(text)
+            self.held_logprobs += logprobs or []
+            if self.forced or may_become_call("".join(self.held)):
+                return
+            self.holding = False
+            text, logprobs = self.held_text(), self.held_logprobs or logprobs
+            self.held = []
+        if text or logprobs:
+            self.on_delta(text, logprobs)
+
+    def held_text(self) -> str:
+        return "".join(self.held)
+
+    def release(self, content: str) -> None:
+        """At the end: the answer text that was held (calls removed)."""
+        if self.holding and content:
+            self.on_delta(content, None)
+        self.held = []
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI history as chat templates expect it: tool-call arguments as objects, not the JSON
+    strings OpenAI sends (templates render them with `tojson`, which would encode them twice)."""
+    message = dict(message)
+    if message.get("content") is None:
+        message["content"] = ""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = dict(call.get("function", {}))
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                pass
+        calls.append({**call, "function": function})
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _grammar(schema: dict[str, Any] | None) -> llama_cpp.LlamaGrammar | None:
+    if schema is None:
+        return None
+    if not schema:
+        return llama_cpp.LlamaGrammar.from_string(JSON_GBNF, verbose=False)
+    try:
+        return llama_cpp.LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
+    except (ValueError, RuntimeError) as exc:
+        raise InvalidRequest(f"the JSON schema cannot be turned into a grammar: {exc}", param="response_format") from exc
+
+
+def _token_logprobs(llm: llama_cpp.Llama, token: int, piece: bytes, top: int) -> list[dict[str, Any]]:
+    """OpenAI's logprobs entry for the token just sampled, from the logits it was sampled from
+    (still in the context: the next evaluation has not run yet)."""
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+    logprobs = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
+    entry: dict[str, Any] = {
+        "token": piece.decode("utf-8", errors="replace"),
+        "logprob": float(logprobs[token]),
+        "bytes": list(piece),
+        "top_logprobs": [],
+    }
+    if top:
+        best = np.argpartition(-logprobs, top)[:top]
+        for alt in best[np.argsort(-logprobs[best])]:
+            alt_piece = llm.detokenize([int(alt)], special=False)
+            entry["top_logprobs"].append({"token": alt_piece.decode("utf-8", errors="replace"),
+                                          "logprob": float(logprobs[alt]), "bytes": list(alt_piece)})
+    return [entry]
 
 
 def _oom_as_typed(tokens: Iterator[int]) -> Iterator[int]:

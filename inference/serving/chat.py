@@ -13,21 +13,60 @@ from typing import Any
 from django.conf import settings
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
-from inference.client import InferenceCall, InferenceClient
+from hypnos_site.config import ModelConfig
+from inference.client import Event, InferenceCall, InferenceClient
 from inference.errors import HypnosError, InvalidRequest, ModelNotFound, ServerError
-from inference.protocol import ChatCompletionRequest
+from inference.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 512
 MEDIA_MODALITY = {"image_url": "vision", "input_audio": "speech_to_text"}
 
 
+def find_model(name: str) -> ModelConfig:
+    model = next((m for m in settings.HYPNOS.models if name in (m.id, *m.aliases)), None)
+    if model is None:
+        raise ModelNotFound(f"The model {name!r} does not exist; GET /v1/models lists the models.", param="model")
+    return model
+
+
+def check_prompt_chars(chars: int, param: str) -> None:
+    limit = settings.HYPNOS.limits.max_prompt_chars
+    if chars > limit:
+        raise InvalidRequest(f"The input holds {chars} characters, above limits.max_prompt_chars ({limit}).", param=param)
+
+
+def sampling_payload(body: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
+    """The worker fields every text route shares; max_tokens clamped to max_tokens_cap."""
+    cap = settings.HYPNOS.limits.max_tokens_cap
+    return {
+        "max_tokens": min(max_tokens or DEFAULT_MAX_TOKENS, cap),
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "seed": body.seed,
+        "stop": body.stop_list(),
+        "num_ctx": body.num_ctx or body.ctx_size,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
+        "repeat_penalty": body.repeat_penalty,
+    }
+
+
+def worker_message(message: ChatMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
+    if message.tool_calls:
+        out["tool_calls"] = message.tool_calls
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name:
+        out["name"] = message.name
+    return out
+
+
 def chat_payload(body: ChatCompletionRequest) -> dict[str, Any]:
     """Check the request against the limits and the model, and build the worker's ChatWork."""
-    hypnos = settings.HYPNOS
-    model = next((m for m in hypnos.models if body.model in (m.id, *m.aliases)), None)
-    if model is None:
-        raise ModelNotFound(f"The model {body.model!r} does not exist; GET /v1/models lists the models.", param="model")
+    model = find_model(body.model)
     for message in body.messages:
         for kind in message.media_kinds():
             if model.modality != MEDIA_MODALITY[kind]:
@@ -35,23 +74,15 @@ def chat_payload(body: ChatCompletionRequest) -> dict[str, Any]:
                     f"The model {model.id!r} does not serve {MEDIA_MODALITY[kind]}, so it cannot take {kind} parts.",
                     param="messages",
                 )
-    chars = sum(len(m.text()) for m in body.messages)
-    if chars > hypnos.limits.max_prompt_chars:
-        raise InvalidRequest(
-            f"The messages hold {chars} characters, above limits.max_prompt_chars ({hypnos.limits.max_prompt_chars}).",
-            param="messages",
-        )
+    check_prompt_chars(sum(len(m.text()) for m in body.messages), "messages")
     requested = [v for v in (body.max_tokens, body.max_completion_tokens) if v is not None]
-    max_tokens = min(min(requested) if requested else DEFAULT_MAX_TOKENS, hypnos.limits.max_tokens_cap)
     return {
-        "messages": [{"role": m.role, "content": m.text()} for m in body.messages],
-        "max_tokens": max_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": body.top_k,
-        "seed": body.seed,
-        "stop": body.stop_list(),
-        "num_ctx": body.num_ctx or body.ctx_size,
+        **sampling_payload(body, min(requested) if requested else None),
+        "messages": [worker_message(m) for m in body.messages],
+        "tools": [t.model_dump() for t in body.tools] if body.tools else None,
+        "tool_choice": body.tool_choice_value(),
+        "json_schema": body.response_format.schema_or_none() if body.response_format else None,
+        "top_logprobs": (body.top_logprobs or 0) if body.logprobs else None,
     }
 
 
@@ -62,84 +93,98 @@ async def create_chat_completion(client: InferenceClient, body: ChatCompletionRe
     try:
         call, _started = await asyncio.wait_for(client.start("chat", body.model, payload, request_id), timeout)
         if body.stream:
-            return _stream_response(call, _ChunkMaker(completion_id, body.model))
-        return JsonResponse(await asyncio.wait_for(_collect(call, completion_id, body.model), timeout))
+            return sse_response(_chat_sse(call, _ChunkMaker(completion_id, body.model), body.logprobs))
+        return JsonResponse(await asyncio.wait_for(_chat_json(call, completion_id, body), timeout))
     except asyncio.TimeoutError:
         return HttpResponse(
             f"request_timeout_secs ({timeout:g} s) elapsed", status=408, content_type="text/plain; charset=utf-8"
         )
 
 
-def _usage(usage: dict[str, Any]) -> dict[str, Any]:
+def usage_of(usage: dict[str, Any]) -> dict[str, Any]:
     shaped = {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
     if usage.get("cached_tokens"):
         shaped["prompt_tokens_details"] = {"cached_tokens": usage["cached_tokens"]}
     return shaped
 
 
-def _finish_reason(reason: str) -> str:
-    return "length" if reason == "length" else "stop"
+def finish_reason(reason: str) -> str:
+    return reason if reason in ("length", "tool_calls") else "stop"
 
 
-async def _collect(call: InferenceCall, completion_id: str, model: str) -> dict[str, Any]:
+async def collect(call: InferenceCall) -> tuple[str, list[dict[str, Any]], Event]:
+    """Run a call to its end: the answer text, its logprobs entries and the `done` event."""
     text: list[str] = []
+    logprobs: list[dict[str, Any]] = []
     try:
         async for event in call.events():
             if event["kind"] == "delta":
                 text.append(event["text"])
+                logprobs += event.get("logprobs") or []
             elif event["kind"] == "error":
                 raise HypnosError.from_event(event)
             elif event["kind"] == "done":
-                return {
-                    "id": completion_id,
-                    "object": "chat.completion",
-                    "created": int(time.time()),
-                    "model": model,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": "".join(text)},
-                            "finish_reason": _finish_reason(event["finish_reason"]),
-                        }
-                    ],
-                    "usage": _usage(event["usage"]),
-                    "hypnos_telemetry": event["telemetry"],
-                }
+                return "".join(text), logprobs, event
     finally:
         if not call.finished:
             await call.abort()
     raise ServerError("the inference worker ended the request without a result")
 
 
+async def _chat_json(call: InferenceCall, completion_id: str, body: ChatCompletionRequest) -> dict[str, Any]:
+    text, logprobs, done = await collect(call)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if done.get("tool_calls"):
+        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in done["tool_calls"]]
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason(done["finish_reason"])}
+    if body.logprobs:
+        choice["logprobs"] = {"content": logprobs}
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.model,
+        "choices": [choice],
+        "usage": usage_of(done["usage"]),
+        "hypnos_telemetry": done["telemetry"],
+    }
+
+
 class _ChunkMaker:
     def __init__(self, completion_id: str, model: str):
         self.base = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
 
-    def __call__(self, delta: dict[str, Any], finish_reason: str | None = None, **extra: Any) -> str:
-        chunk = {**self.base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}], **extra}
+    def __call__(self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
+        chunk = {**self.base, "choices": [choice], **extra}
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
 
-def _stream_response(call: InferenceCall, chunk: _ChunkMaker) -> StreamingHttpResponse:
-    response = StreamingHttpResponse(_sse(call, chunk), content_type="text/event-stream")
+def sse_response(events: AsyncIterator[str]) -> StreamingHttpResponse:
+    response = StreamingHttpResponse(events, content_type="text/event-stream")
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     return response
 
 
-async def _sse(call: InferenceCall, chunk: _ChunkMaker) -> AsyncIterator[str]:
+async def _chat_sse(call: InferenceCall, chunk: _ChunkMaker, with_logprobs: bool) -> AsyncIterator[str]:
     """The chunk sequence of spec §7.4. Closing the connection cancels this generator; its
     `finally` aborts the request so the engine stops at the next token."""
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for event in call.events():
             if event["kind"] == "delta":
-                yield chunk({"content": event["text"]})
+                extra = {"logprobs": {"content": event.get("logprobs") or []}} if with_logprobs else {}
+                yield chunk({"content": event["text"]}, **extra)
             elif event["kind"] == "done":
+                for tool_call in event.get("tool_calls") or []:
+                    yield chunk({"tool_calls": [tool_call]})
                 yield chunk(
                     {},
-                    _finish_reason(event["finish_reason"]),
-                    usage=_usage(event["usage"]),
+                    finish_reason(event["finish_reason"]),
+                    usage=usage_of(event["usage"]),
                     hypnos_telemetry=event["telemetry"],
                 )
             elif event["kind"] == "error":

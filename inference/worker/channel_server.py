@@ -98,10 +98,13 @@ class ChannelServer:
 def _merge_deltas(first: dict[str, Any], queue: asyncio.Queue[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Join the deltas already queued behind `first`; return the joined delta and the next
     non-delta event if one was taken off the queue."""
-    text = [first["text"]]
+    text, logprobs = [first["text"]], list(first.get("logprobs") or [])
+    nxt = None
     while not queue.empty():
         event = queue.get_nowait()
         if event["kind"] != "delta":
-            return {"kind": "delta", "text": "".join(text)}, event
+            nxt = event
+            break
         text.append(event["text"])
-    return {"kind": "delta", "text": "".join(text)}, None
+        logprobs += event.get("logprobs") or []
+    return {"kind": "delta", "text": "".join(text), "logprobs": logprobs or None}, nxt

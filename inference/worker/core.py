@@ -180,6 +180,7 @@ class Worker:
                     param="model",
                 )
             work = ChatWork(**request["payload"])
+            self._check_capabilities(runtime, work)
             self._admit(runtime)
         except HypnosError as exc:
             sink(exc.as_event())
@@ -208,6 +209,16 @@ class Worker:
         except Exception as exc:
             log.exception("control operation %s failed", op)
             sink(ServerError(f"{op} failed: {type(exc).__name__}: {exc}").as_event())
+
+    def _check_capabilities(self, runtime: ModelRuntime, work: ChatWork) -> None:
+        engine = runtime.engine
+        if engine is None or not work.tools or work.tool_choice == "none":
+            return
+        if "tools" not in engine.capabilities():
+            raise InvalidRequest(
+                f"The model {runtime.config.id!r} has no tool-calling format; send no tools or use another model.",
+                param="tools",
+            )
 
     def abort(self, request_id: str) -> None:
         cancel = self._cancels.get(request_id)
@@ -263,10 +274,10 @@ class Worker:
         sink({"kind": "started", "previous_tier": str(switch.previous_tier)})
         sent = False
 
-        def on_delta(text: str) -> None:
+        def on_delta(text: str, logprobs: list[dict[str, Any]] | None) -> None:
             nonlocal sent
             sent = True
-            sink({"kind": "delta", "text": text})
+            sink({"kind": "delta", "text": text, "logprobs": logprobs})
 
         started = time.perf_counter()
         try:
@@ -291,6 +302,7 @@ class Worker:
         return {
             "kind": "done",
             "finish_reason": result.finish_reason,
+            "tool_calls": result.tool_calls,
             "usage": {
                 "prompt_tokens": result.prompt_tokens,
                 "completion_tokens": result.completion_tokens,

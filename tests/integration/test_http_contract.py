@@ -189,7 +189,7 @@ class FailingAfterOneTokenEngine(Engine):
         pass
 
     def chat(self, work, cancel: threading.Event, on_delta) -> ChatResult:
-        on_delta("Hel")
+        on_delta("Hel", None)
         raise RuntimeError("decode failed")
 
 

@@ -29,7 +29,7 @@ LONG_STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
 
 
 def tight_config(config: HypnosConfig, **hardware: object) -> HypnosConfig:
-    models = [m.model_copy(update={"initial_tier": "tier3_nvme_ssd", "context_len": 2048}) for m in config.models]
+    models = [m.model_copy(update={"initial_tier": "tier3_nvme_ssd", "context_len": 2048}) for m in config.models[:2]]
     return config.model_copy(update={
         "hardware": config.hardware.model_copy(update={
             "simulated_vram_bytes": ONE_MODEL_BUDGET, "min_gpu_layer_ratio": 1.0, **hardware}),

@@ -8,7 +8,9 @@ urlpatterns = [
     path("ready", views.ready),
     path("admin/", admin.site.urls),
     path("v1/", include("inference.urls")),
-    # Lemonade clients talk to /api/v1 (compat.md).
+    # Lemonade clients talk to /api/v1 (compat.md): its lifecycle routes, then every /v1 route.
+    path("api/v1/", include("inference.lemonade_urls")),
+    path("internal/set", views.InternalSetView.as_view()),
     path("api/v1/", include("inference.urls")),
 ]
 

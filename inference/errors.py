@@ -107,6 +107,19 @@ class ModelBusy(HypnosError):
     type = "model_busy"
 
 
+class RateLimited(HypnosError):
+    """A per-key limit refused the call (spec §2): `code` names the limit, Retry-After says
+    when the same call can pass."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None, retry_after_secs: int = 1):
+        super().__init__(message, param=param, code=code)
+        self.retry_after_secs = max(int(retry_after_secs), 1)
+        self.headers = {"Retry-After": str(self.retry_after_secs)}
+
+
 class Cancelled(HypnosError):
     status = 499
     type = "cancelled"

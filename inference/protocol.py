@@ -179,6 +179,44 @@ class CompletionRequest(SamplingFields):
         return self.prompt[0]
 
 
+class ResponsesTool(_Wire):
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesTextFormat(_Wire):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+
+class ResponsesText(_Wire):
+    format: ResponsesTextFormat | None = None
+
+
+class ResponsesRequest(_Wire):
+    """OpenAI's Responses API, stateless (compat.md): no stored responses, no previous_response_id."""
+
+    model: str = Field(min_length=1)
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    text: ResponsesText | None = None
+    stream: bool = False
+    seed: int | None = None
+
+
+class InternalSetRequest(_Wire):
+    max_loaded_models: int | None = Field(ge=1)
+
+
 class MemoryTierRequest(_Wire):
     model: str = Field(min_length=1)
     target_tier: Literal["tier1_gpu_vram", "tier2_pinned_ram", "tier3_nvme_ssd"]

@@ -4,6 +4,8 @@ from inference import views
 
 urlpatterns = [
     path("chat/completions", views.ChatCompletionsView.as_view()),
+    path("completions", views.CompletionsView.as_view()),
+    path("responses", views.ResponsesView.as_view()),
     path("models", views.ModelListView.as_view()),
     path("memory/status", views.MemoryStatusView.as_view()),
     path("memory/tier", views.MemoryTierView.as_view()),

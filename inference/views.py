@@ -12,8 +12,17 @@ from hypnos_site import __version__
 from inference.client import get_client
 from inference.errors import NotFound
 from inference import latency
-from inference.protocol import ChatCompletionRequest, MemoryTierRequest, parse_body
-from inference.serving import chat, models
+from inference.errors import InvalidRequest
+from inference.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    InternalSetRequest,
+    MemoryTierRequest,
+    ResponsesRequest,
+    parse_body,
+)
+from inference.serving import chat, completions, lemonade, models, responses
+from models_registry.authentication import IsAdminKey
 
 STARTED_AT = time.time()
 
@@ -40,6 +49,54 @@ class MemoryTierView(APIView):
     async def post(self, request: Request) -> JsonResponse:
         body = parse_body(MemoryTierRequest, request.data)
         return JsonResponse(await get_client().control("move", body.model_dump()))
+
+
+class CompletionsView(APIView):
+    async def post(self, request: Request) -> object:
+        body = parse_body(CompletionRequest, request.data)
+        return await completions.create_completion(get_client(), body, request._request.hypnos_request_id)
+
+
+class ResponsesView(APIView):
+    async def post(self, request: Request) -> object:
+        body = parse_body(ResponsesRequest, request.data)
+        return await responses.create_response(get_client(), body, request._request.hypnos_request_id)
+
+
+class LemonadeHealthView(APIView):
+    async def get(self, request: Request) -> JsonResponse:
+        return JsonResponse(await lemonade.health(get_client()))
+
+
+class LemonadeLoadView(APIView):
+    async def post(self, request: Request) -> JsonResponse:
+        return JsonResponse(await lemonade.load(get_client(), _object(request.data)))
+
+
+class LemonadeUnloadView(APIView):
+    async def post(self, request: Request) -> JsonResponse:
+        return JsonResponse(await lemonade.unload(get_client(), _object(request.data)))
+
+
+class LemonadeStatsView(APIView):
+    async def get(self, request: Request) -> JsonResponse:
+        return JsonResponse(lemonade.stats())
+
+
+class InternalSetView(APIView):
+    """Lemonade's POST /internal/set: caps the models tier 1 may hold (admin keys only)."""
+
+    permission_classes = [IsAdminKey]
+
+    async def post(self, request: Request) -> JsonResponse:
+        body = parse_body(InternalSetRequest, _object(request.data))
+        return JsonResponse(await get_client().control("set_limits", body.model_dump()))
+
+
+def _object(data: object) -> dict:
+    if not isinstance(data, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    return data
 
 
 class UnknownRouteView(APIView):

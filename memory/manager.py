@@ -114,6 +114,8 @@ class TierManager:
         self.entries: dict[str, ModelEntry] = {}
         self.recent_evictions: deque[dict[str, Any]] = deque(maxlen=RECENT_EVICTIONS)
         self.lock = threading.RLock()
+        # Lemonade's max_loaded_models: at most this many models in tier 1 (None: memory decides).
+        self.max_resident: int | None = None
 
     # -- registration and bookkeeping --------------------------------------------------------
 
@@ -232,10 +234,28 @@ class TierManager:
                 )
             placement, n = chosen
             reason = "full_gpu_placement" if placement.gpu_layers == fp.n_layers and n else "memory_budget"
-            evictions = self._destinations(victims[:n], reason, placement.pinned_ram_bytes)
+            chosen_victims = victims[:n] + self._over_count(model_id, victims[n:], n)
+            evictions = self._destinations(chosen_victims, reason, placement.pinned_ram_bytes)
+            for eviction in evictions[n:]:
+                eviction.reason = "max_loaded_models"
             evictions += self._warm_room(model_id, placement.pinned_ram_bytes, evictions)
             self._check_process_cap(entry, placement, evictions)
             return Promotion(placement, evictions)
+
+    def _over_count(self, model_id: str, rest: list[ModelEntry], chosen: int) -> list[ModelEntry]:
+        """More idle models to evict, least recently used first within priority, while tier 1
+        would hold more than `max_resident` models."""
+        if self.max_resident is None:
+            return []
+        resident = [e for e in self.entries.values() if e.tier == MemoryTier.TIER1 and e.model_id != model_id]
+        excess = len(resident) - chosen - (self.max_resident - 1)
+        if excess <= 0:
+            return []
+        lru = sorted(rest, key=lambda e: (e.rank, e.last_used))
+        if len(lru) < excess:
+            raise NoRoom("insufficient_vram_or_ram",
+                         f"max_loaded_models is {self.max_resident} and the models in tier 1 are busy.")
+        return lru[:excess]
 
     def _fewest_victims(self, fp: Footprint, context_len: int, free: int, ratio: float,
                         victims: list[ModelEntry], whole: bool) -> tuple[Placement, int] | None:

@@ -96,9 +96,14 @@ async def create_chat_completion(client: InferenceClient, body: ChatCompletionRe
             return sse_response(_chat_sse(call, _ChunkMaker(completion_id, body.model), body.logprobs))
         return JsonResponse(await asyncio.wait_for(_chat_json(call, completion_id, body), timeout))
     except asyncio.TimeoutError:
-        return HttpResponse(
-            f"request_timeout_secs ({timeout:g} s) elapsed", status=408, content_type="text/plain; charset=utf-8"
-        )
+        return request_timed_out(timeout)
+
+
+def request_timed_out(timeout: float) -> HttpResponse:
+    """408 in plain text, as the timeout layer of the spec answers (§4)."""
+    return HttpResponse(
+        f"request_timeout_secs ({timeout:g} s) elapsed", status=408, content_type="text/plain; charset=utf-8"
+    )
 
 
 def usage_of(usage: dict[str, Any]) -> dict[str, Any]:
@@ -110,6 +115,22 @@ def usage_of(usage: dict[str, Any]) -> dict[str, Any]:
 
 def finish_reason(reason: str) -> str:
     return reason if reason in ("length", "tool_calls") else "stop"
+
+
+# The figures of the last finished request, for Lemonade's GET /api/v1/stats.
+last_stats: dict[str, Any] = {}
+
+
+def record_stats(done: Event) -> None:
+    usage, engine = done["usage"], done["telemetry"]["engine"]
+    last_stats.clear()
+    last_stats.update({
+        "input_tokens": usage["prompt_tokens"],
+        "output_tokens": usage["completion_tokens"],
+        "time_to_first_token": round(engine.get("ttft_ms", 0.0) / 1000, 4),
+        "tokens_per_second": engine.get("decode_tokens_per_s", 0.0),
+        "cache_tokens": usage.get("cached_tokens", 0),
+    })
 
 
 async def collect(call: InferenceCall) -> tuple[str, list[dict[str, Any]], Event]:
@@ -124,6 +145,7 @@ async def collect(call: InferenceCall) -> tuple[str, list[dict[str, Any]], Event
             elif event["kind"] == "error":
                 raise HypnosError.from_event(event)
             elif event["kind"] == "done":
+                record_stats(event)
                 return "".join(text), logprobs, event
     finally:
         if not call.finished:
@@ -179,6 +201,7 @@ async def _chat_sse(call: InferenceCall, chunk: _ChunkMaker, with_logprobs: bool
                 extra = {"logprobs": {"content": event.get("logprobs") or []}} if with_logprobs else {}
                 yield chunk({"content": event["text"]}, **extra)
             elif event["kind"] == "done":
+                record_stats(event)
                 for tool_call in event.get("tool_calls") or []:
                     yield chunk({"tool_calls": [tool_call]})
                 yield chunk(

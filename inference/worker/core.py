@@ -42,7 +42,7 @@ Sink = Callable[[Event], None]
 # How often a request waiting for a slot looks at its cancel flag.
 SLOT_POLL_SECS = 0.05
 MIN_CONTEXT = 2048
-CONTROL_OPS = ("status", "memory_status", "move")
+CONTROL_OPS = ("status", "memory_status", "move", "set_limits")
 NO_ROOM_ERRORS = {"insufficient_vram_or_ram": InsufficientMemory, "process_memory_cap": ProcessMemoryCap}
 
 
@@ -73,7 +73,7 @@ def needed_context(work: ChatWork) -> int:
     2048 (spec §7.1); about three characters make a token."""
     if work.num_ctx:
         return work.num_ctx
-    chars = sum(len(str(m.get("content") or "")) for m in work.messages)
+    chars = sum(len(str(m.get("content") or "")) for m in work.messages) + len(work.raw_prompt or "")
     return max(MIN_CONTEXT, chars // 3 + work.max_tokens)
 
 
@@ -198,6 +198,9 @@ class Worker:
                 result: Any = self.status()
             elif op == "memory_status":
                 result = self.memory_status()
+            elif op == "set_limits":
+                self.tiers.max_resident = payload.get("max_loaded_models")
+                result = {"max_loaded_models": self.tiers.max_resident}
             else:
                 if not self.ready:
                     raise ModelNotAvailable(STILL_STAGING)
@@ -451,7 +454,7 @@ class Worker:
                 "loads": runtime.loads,
                 "problem": runtime.problem,
             }
-        return {"ready": self.ready, "models": models}
+        return {"ready": self.ready, "simulated": self.device.simulated, "models": models}
 
     def memory_status(self) -> dict[str, Any]:
         """GET /v1/memory/status (spec §14), all but the web process's own latency figures."""

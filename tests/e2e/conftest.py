@@ -66,6 +66,7 @@ def write_config(directory: Path, ack_timeout_secs: float = 5.0) -> Path:
     """A config with the suite's real model (absolute path) and room for long answers."""
     suite = load_config({"HYPNOS_CONFIG": str(BASE_DIR / "tests" / "hypnos.test.toml")})
     weights = suite.weights_file(suite.models[0])
+    tool_model = suite.weights_file(suite.models[2])
     path = directory / "hypnos.toml"
     path.write_text(
         f"""
@@ -83,6 +84,14 @@ weights_path = "{weights}"
 context_len = 4096
 initial_tier = "tier1_gpu_vram"
 aliases = ["gpt-4o-mini"]
+
+[[models]]
+id = "qwen2.5-coder-1.5b"
+modality = "text_generation"
+engine = "ggml_llama"
+weights_path = "{tool_model}"
+context_len = 4096
+initial_tier = "tier3_nvme_ssd"
 """
     )
     return path

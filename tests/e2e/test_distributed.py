@@ -86,8 +86,9 @@ def test_memory_status_and_tier_moves_cross_the_channel_layer(distributed: Serve
     base = distributed.base_url
     status = httpx.get(f"{base}/v1/memory/status", timeout=30).json()
     assert status["capabilities"]["simulated"] is True
-    [model] = status["models"]
+    model = status["models"][0]
     assert model["id"] == "smollm2-135m" and model["current_tier"] == "tier1_gpu_vram"
+    assert status["models"][1]["current_tier"] == "tier3_nvme_ssd"
     assert status["tier1_vram_used_bytes"] == (
         model["placement"]["vram_weight_bytes"] + model["placement"]["vram_kv_and_workspace_bytes"])
     moved = httpx.post(f"{base}/v1/memory/tier", json={"model": "smollm2-135m", "target_tier": "tier2_pinned_ram"},

@@ -49,7 +49,7 @@ def test_an_unknown_model_raises_the_sdks_not_found(server):
 
 
 def test_the_sdk_lists_the_models(server):
-    assert [m.id for m in sdk(server).models.list()] == [MODEL]
+    assert [m.id for m in sdk(server).models.list()] == [MODEL, "qwen2.5-coder-1.5b"]
 
 
 def test_raw_http_gets_request_ids_and_json_errors(server):

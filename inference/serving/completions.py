@@ -1,0 +1,104 @@
+"""POST /v1/completions (compat.md): a prompt continued as is, no chat template."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from django.conf import settings
+from django.http import HttpResponse, JsonResponse
+
+from inference.client import InferenceCall, InferenceClient
+from inference.errors import HypnosError
+from inference.protocol import CompletionRequest
+from inference.serving.chat import (
+    check_prompt_chars,
+    collect,
+    finish_reason,
+    find_model,
+    record_stats,
+    request_timed_out,
+    sampling_payload,
+    sse_response,
+    usage_of,
+)
+
+
+def completion_payload(body: CompletionRequest) -> dict[str, Any]:
+    find_model(body.model)
+    prompt = body.prompt_text()
+    check_prompt_chars(len(prompt), "prompt")
+    return {
+        **sampling_payload(body, body.max_tokens),
+        "messages": [],
+        "raw_prompt": prompt,
+        "top_logprobs": body.logprobs,
+    }
+
+
+def legacy_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
+    """The completions API's column-wise logprobs from chat-style entries."""
+    offsets, position = [], offset
+    for entry in entries:
+        offsets.append(position)
+        position += len(entry["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+async def create_completion(client: InferenceClient, body: CompletionRequest, request_id: str) -> HttpResponse:
+    payload = completion_payload(body)
+    timeout = settings.HYPNOS.limits.request_timeout_secs
+    completion_id = "cmpl-" + uuid.uuid4().hex
+    try:
+        call, _ = await asyncio.wait_for(client.start("chat", body.model, payload, request_id), timeout)
+        if body.stream:
+            return sse_response(_completion_sse(call, completion_id, body))
+        text, logprobs, done = await asyncio.wait_for(collect(call), timeout)
+    except asyncio.TimeoutError:
+        return request_timed_out(timeout)
+    choice = {"text": text, "index": 0, "finish_reason": finish_reason(done["finish_reason"]),
+              "logprobs": legacy_logprobs(logprobs, 0) if body.logprobs is not None else None}
+    return JsonResponse({
+        "id": completion_id, "object": "text_completion", "created": int(time.time()), "model": body.model,
+        "choices": [choice], "usage": usage_of(done["usage"]), "hypnos_telemetry": done["telemetry"],
+    })
+
+
+async def _completion_sse(call: InferenceCall, completion_id: str, body: CompletionRequest) -> AsyncIterator[str]:
+    base = {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": body.model}
+    offset = 0
+
+    def chunk(text: str, finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
+        choice = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
+        return f"data: {json.dumps({**base, 'choices': [choice], **extra}, ensure_ascii=False)}\n\n"
+
+    try:
+        async for event in call.events():
+            if event["kind"] == "delta":
+                entries = event.get("logprobs") or []
+                logprobs = legacy_logprobs(entries, offset) if body.logprobs is not None else None
+                offset += len(event["text"])
+                yield chunk(event["text"], logprobs=logprobs)
+            elif event["kind"] == "done":
+                record_stats(event)
+                yield chunk("", finish_reason(event["finish_reason"]), usage=usage_of(event["usage"]),
+                            hypnos_telemetry=event["telemetry"])
+            elif event["kind"] == "error":
+                error = HypnosError.from_event(event)
+                yield chunk("", "error", error={"message": error.message, "type": error.type})
+        yield "data: [DONE]\n\n"
+    except HypnosError as error:
+        yield chunk("", "error", error={"message": error.message, "type": error.type})
+        yield "data: [DONE]\n\n"
+    finally:
+        if not call.finished:
+            await asyncio.shield(call.abort())

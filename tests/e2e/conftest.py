@@ -91,6 +91,7 @@ modality = "text_generation"
 engine = "ggml_llama"
 weights_path = "{tool_model}"
 context_len = 4096
+tool_router = true
 initial_tier = "tier3_nvme_ssd"
 """
     )

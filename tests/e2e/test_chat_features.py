@@ -46,6 +46,15 @@ def test_a_tool_call_and_its_follow_up_answer(client):
     assert "18" in text and "sunny" in text.lower()
 
 
+def test_a_question_that_needs_no_tool_gets_an_answer(client):
+    completion = client.chat.completions.create(
+        model=TOOL_MODEL, tools=[WEATHER, CURRENCY], temperature=0, max_tokens=40,
+        messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.choices[0].message.tool_calls is None
+    assert "Paris" in completion.choices[0].message.content
+
+
 def test_a_streamed_tool_call_arrives_whole_in_one_chunk(client):
     chunks = list(client.chat.completions.create(model=TOOL_MODEL, messages=ASK_WEATHER, tools=[WEATHER],
                                                  temperature=0, stream=True))

@@ -39,6 +39,8 @@ class InferenceCall(ABC):
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.finished = False
+        # The worker's estimate, made when it admitted the request (x-hypnos-estimated-wait-ms).
+        self.estimated_wait_ms: float | None = None
 
     @abstractmethod
     async def next_event(self) -> Event: ...
@@ -64,14 +66,19 @@ class InferenceClient:
     def __init__(self, transport: Transport):
         self.transport = transport
 
-    async def start(self, op: str, model: str, payload: dict[str, Any], request_id: str | None = None) -> tuple[InferenceCall, Event]:
+    async def start(self, op: str, model: str, payload: dict[str, Any], request_id: str | None = None,
+                    deadline_ms: float | None = None, next_model: str | None = None) -> tuple[InferenceCall, Event]:
         """Submit a request and wait until the worker has started it (model loaded, engine
         running). Raises the typed error when the worker refuses it, so that every 4xx/5xx
         is known before a streaming response sends its first byte."""
-        request = {"request_id": request_id or "req-" + uuid.uuid4().hex, "op": op, "model": model, "payload": payload}
+        request = {"request_id": request_id or "req-" + uuid.uuid4().hex, "op": op, "model": model,
+                   "payload": payload, "deadline_ms": deadline_ms, "next_model": next_model}
         call = await self.transport.submit(request)
         try:
             event = await call.next_event()
+            if event["kind"] == "queued":
+                call.estimated_wait_ms = event.get("estimated_wait_ms")
+                event = await call.next_event()
         except BaseException:
             await call.abort()
             raise

@@ -52,12 +52,16 @@ class HypnosError(Exception):
             "message": self.message,
             "param": self.param,
             "code": self.code,
+            "retry_after": self.headers.get("Retry-After"),
         }
 
     @staticmethod
     def from_event(event: dict[str, Any]) -> HypnosError:
         cls = _BY_NAME.get(event.get("error_class", ""), ServerError)
-        return cls(event.get("message", "inference failed"), param=event.get("param"), code=event.get("code"))
+        error = cls(event.get("message", "inference failed"), param=event.get("param"), code=event.get("code"))
+        if event.get("retry_after"):
+            error.headers = {**error.headers, "Retry-After": str(event["retry_after"])}
+        return error
 
 
 class InvalidRequest(HypnosError):

@@ -64,12 +64,19 @@ class RequestIdMiddleware(_Middleware):
             if isinstance(response, StreamingHttpResponse) and response.is_async:
                 response.streaming_content = _timed(response.streaming_content, route, request)
             else:
-                latency.routes.observe(route, _elapsed_ms(request))
+                _observe(route, request)
         return response
 
 
-def _elapsed_ms(request: HttpRequest) -> float:
-    return (time.perf_counter() - request.hypnos_started) * 1000  # type: ignore[attr-defined]
+def _observe(route: str, request: HttpRequest) -> None:
+    """Record the route's end-to-end time and the request's part in a declared workflow."""
+    started = request.hypnos_started  # type: ignore[attr-defined]
+    ended = time.perf_counter()
+    latency.routes.observe(route, (ended - started) * 1000)
+    workflow = request.headers.get("x-hypnos-workflow")
+    if workflow:
+        last = request.headers.get("x-hypnos-workflow-end", "").lower() == "true"
+        latency.workflows.observe(workflow, started, ended, last)
 
 
 async def _timed(content: AsyncIterator[bytes], route: str, request: HttpRequest) -> AsyncIterator[bytes]:
@@ -77,7 +84,7 @@ async def _timed(content: AsyncIterator[bytes], route: str, request: HttpRequest
         async for chunk in content:
             yield chunk
     finally:
-        latency.routes.observe(route, _elapsed_ms(request))
+        _observe(route, request)
 
 
 class BodyLimitMiddleware(_Middleware):

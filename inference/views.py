@@ -22,6 +22,7 @@ from inference.protocol import (
     parse_body,
 )
 from inference.serving import chat, completions, lemonade, models, responses
+from inference.serving.context import RequestContext
 from models_registry.authentication import IsAdminKey
 
 STARTED_AT = time.time()
@@ -30,7 +31,7 @@ STARTED_AT = time.time()
 class ChatCompletionsView(APIView):
     async def post(self, request: Request) -> object:
         body = parse_body(ChatCompletionRequest, request.data)
-        return await chat.create_chat_completion(get_client(), body, request._request.hypnos_request_id)
+        return await chat.create_chat_completion(get_client(), body, RequestContext.of(request._request))
 
 
 class ModelListView(APIView):
@@ -41,7 +42,7 @@ class ModelListView(APIView):
 class MemoryStatusView(APIView):
     async def get(self, request: Request) -> JsonResponse:
         status = await get_client().control("memory_status")
-        status["latency"] = {"routes": latency.routes.summary(), "workflows": {}}
+        status["latency"] = {"routes": latency.routes.summary(), "workflows": latency.workflows.summary()}
         return JsonResponse(status)
 
 
@@ -54,13 +55,13 @@ class MemoryTierView(APIView):
 class CompletionsView(APIView):
     async def post(self, request: Request) -> object:
         body = parse_body(CompletionRequest, request.data)
-        return await completions.create_completion(get_client(), body, request._request.hypnos_request_id)
+        return await completions.create_completion(get_client(), body, RequestContext.of(request._request))
 
 
 class ResponsesView(APIView):
     async def post(self, request: Request) -> object:
         body = parse_body(ResponsesRequest, request.data)
-        return await responses.create_response(get_client(), body, request._request.hypnos_request_id)
+        return await responses.create_response(get_client(), body, RequestContext.of(request._request))
 
 
 class LemonadeHealthView(APIView):

@@ -17,6 +17,7 @@ from hypnos_site.config import ModelConfig
 from inference.client import Event, InferenceCall, InferenceClient
 from inference.errors import HypnosError, InvalidRequest, ModelNotFound, ServerError
 from inference.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
+from inference.serving.context import RequestContext, start_call, with_wait_estimate
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 512
@@ -86,15 +87,15 @@ def chat_payload(body: ChatCompletionRequest) -> dict[str, Any]:
     }
 
 
-async def create_chat_completion(client: InferenceClient, body: ChatCompletionRequest, request_id: str) -> HttpResponse:
+async def create_chat_completion(client: InferenceClient, body: ChatCompletionRequest, ctx: RequestContext) -> HttpResponse:
     payload = chat_payload(body)
     timeout = settings.HYPNOS.limits.request_timeout_secs
     completion_id = "chatcmpl-" + uuid.uuid4().hex
     try:
-        call, _started = await asyncio.wait_for(client.start("chat", body.model, payload, request_id), timeout)
+        call, _started = await asyncio.wait_for(start_call(client, body.model, payload, ctx), timeout)
         if body.stream:
-            return sse_response(_chat_sse(call, _ChunkMaker(completion_id, body.model), body.logprobs))
-        return JsonResponse(await asyncio.wait_for(_chat_json(call, completion_id, body), timeout))
+            return with_wait_estimate(sse_response(_chat_sse(call, _ChunkMaker(completion_id, body.model), body.logprobs)), call)
+        return with_wait_estimate(JsonResponse(await asyncio.wait_for(_chat_json(call, completion_id, body), timeout)), call)
     except asyncio.TimeoutError:
         return request_timed_out(timeout)
 

@@ -15,6 +15,7 @@ from django.http import HttpResponse, JsonResponse
 from inference.client import InferenceCall, InferenceClient
 from inference.errors import HypnosError
 from inference.protocol import CompletionRequest
+from inference.serving.context import RequestContext, start_call, with_wait_estimate
 from inference.serving.chat import (
     check_prompt_chars,
     collect,
@@ -54,23 +55,23 @@ def legacy_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any
     }
 
 
-async def create_completion(client: InferenceClient, body: CompletionRequest, request_id: str) -> HttpResponse:
+async def create_completion(client: InferenceClient, body: CompletionRequest, ctx: RequestContext) -> HttpResponse:
     payload = completion_payload(body)
     timeout = settings.HYPNOS.limits.request_timeout_secs
     completion_id = "cmpl-" + uuid.uuid4().hex
     try:
-        call, _ = await asyncio.wait_for(client.start("chat", body.model, payload, request_id), timeout)
+        call, _ = await asyncio.wait_for(start_call(client, body.model, payload, ctx), timeout)
         if body.stream:
-            return sse_response(_completion_sse(call, completion_id, body))
+            return with_wait_estimate(sse_response(_completion_sse(call, completion_id, body)), call)
         text, logprobs, done = await asyncio.wait_for(collect(call), timeout)
     except asyncio.TimeoutError:
         return request_timed_out(timeout)
     choice = {"text": text, "index": 0, "finish_reason": finish_reason(done["finish_reason"]),
               "logprobs": legacy_logprobs(logprobs, 0) if body.logprobs is not None else None}
-    return JsonResponse({
+    return with_wait_estimate(JsonResponse({
         "id": completion_id, "object": "text_completion", "created": int(time.time()), "model": body.model,
         "choices": [choice], "usage": usage_of(done["usage"]), "hypnos_telemetry": done["telemetry"],
-    })
+    }), call)
 
 
 async def _completion_sse(call: InferenceCall, completion_id: str, body: CompletionRequest) -> AsyncIterator[str]:

@@ -15,6 +15,7 @@ from django.http import HttpResponse, JsonResponse
 from inference.client import Event, InferenceCall, InferenceClient
 from inference.errors import HypnosError, InvalidRequest
 from inference.protocol import ResponsesRequest
+from inference.serving.context import RequestContext, start_call, with_wait_estimate
 from inference.serving.chat import (
     DEFAULT_MAX_TOKENS,
     check_prompt_chars,
@@ -131,20 +132,20 @@ class _Builder:
         return items + [self.function_call(c) for c in done.get("tool_calls") or []]
 
 
-async def create_response(client: InferenceClient, body: ResponsesRequest, request_id: str) -> HttpResponse:
+async def create_response(client: InferenceClient, body: ResponsesRequest, ctx: RequestContext) -> HttpResponse:
     payload = responses_payload(body)
     timeout = settings.HYPNOS.limits.request_timeout_secs
     builder = _Builder(body)
     try:
-        call, _ = await asyncio.wait_for(client.start("chat", body.model, payload, request_id), timeout)
+        call, _ = await asyncio.wait_for(start_call(client, body.model, payload, ctx), timeout)
         if body.stream:
-            return sse_response(_response_events(call, builder))
+            return with_wait_estimate(sse_response(_response_events(call, builder)), call)
         text, _, done = await asyncio.wait_for(collect(call), timeout)
     except asyncio.TimeoutError:
         return request_timed_out(timeout)
     response = builder.response("completed", builder.output(text, done), done)
     response["output_text"] = text
-    return JsonResponse(response)
+    return with_wait_estimate(JsonResponse(response), call)
 
 
 async def _response_events(call: InferenceCall, builder: _Builder) -> AsyncIterator[str]:

@@ -9,6 +9,7 @@ TierManager's (memory/); this module carries them out with the engines.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -21,6 +22,7 @@ from hypnos_site.config import HypnosConfig, ModelConfig
 from inference.engines.base import ChatWork, Engine, LoadPhases, engine_class
 from inference.errors import (
     STILL_STAGING,
+    DeadlineUnmeetable,
     DeviceOutOfMemory,
     HypnosError,
     InsufficientMemory,
@@ -58,6 +60,11 @@ class ModelRuntime:
     admitted: int = 0
     loads: int = 0
     problem: str | None = None
+    # Average time a request holds the model (moving average), once measured.
+    service_ms: float | None = None
+
+    def note_service(self, ms: float) -> None:
+        self.service_ms = ms if self.service_ms is None else 0.7 * self.service_ms + 0.3 * ms
 
 
 @dataclass
@@ -182,16 +189,29 @@ class Worker:
                 )
             work = ChatWork(**request["payload"])
             self._check_capabilities(runtime, work)
-            self._admit(runtime)
+            estimate = self._admit(runtime, request.get("deadline_ms"))
         except HypnosError as exc:
             sink(exc.as_event())
             return
         except (KeyError, TypeError) as exc:
             sink(InvalidRequest(f"malformed worker request: {exc}").as_event())
             return
+        sink({"kind": "queued", "estimated_wait_ms": estimate})
         cancel = threading.Event()
         self._cancels[request["request_id"]] = cancel
         self._executor.submit(self._run, runtime, request["request_id"], work, cancel, sink)
+        if request.get("next_model"):
+            self._executor.submit(self._prefetch, request["next_model"])
+
+    def _prefetch(self, name: str) -> None:
+        """x-hypnos-next-model: bring the model the client will call next to tier 1 meanwhile.
+        Unknown, busy or unplaceable models are left alone; the header never changes a response."""
+        try:
+            runtime = self.resolve(name)
+            if runtime.engine is None or not runtime.engine.loaded:
+                self.move(name, MemoryTier.TIER1, None)
+        except HypnosError as exc:
+            log.info("prefetch of %s skipped: %s", name, exc.message)
 
     def _control(self, op: str, payload: dict[str, Any], sink: Sink) -> None:
         try:
@@ -229,14 +249,37 @@ class Worker:
         if cancel is not None:
             cancel.set()
 
-    def _admit(self, runtime: ModelRuntime) -> None:
+    def _admit(self, runtime: ModelRuntime, deadline_ms: float | None) -> float | None:
+        """Count the request in, or refuse it (429 queue full, 503 deadline unmeetable); the
+        estimated wait before it starts, when one can be made."""
         with self._lock:
             if runtime.admitted >= self.config.limits.max_queue_per_model:
                 raise ModelBusy(
                     f"The model {runtime.config.id!r} already has {runtime.admitted} requests queued or running "
                     f"(limits.max_queue_per_model = {self.config.limits.max_queue_per_model}).",
                 )
+            estimate = self.estimated_wait_ms(runtime)
+            if deadline_ms is not None and estimate is not None and estimate > deadline_ms:
+                error = DeadlineUnmeetable(
+                    f"The request would wait about {estimate:.0f} ms before it starts, beyond its "
+                    f"x-hypnos-deadline-ms of {deadline_ms:g}.")
+                error.headers = {"Retry-After": str(max(1, math.ceil(estimate / 1000)))}
+                raise error
             runtime.admitted += 1
+            return estimate
+
+    def estimated_wait_ms(self, runtime: ModelRuntime) -> float | None:
+        """Requests ahead beyond the model's slots times its average service time, plus a load
+        when it is not in tier 1 (spec §1). None while the model is busy but has no history."""
+        slots = max(runtime.config.slots if runtime.engine is None else runtime.engine.max_concurrency, 1)
+        ahead = max(runtime.admitted - slots + 1, 0)
+        if ahead and runtime.service_ms is None:
+            return None
+        wait = ahead * (runtime.service_ms or 0.0) / slots
+        entry = self.tiers.entries.get(runtime.config.id)
+        if entry is not None and entry.tier != MemoryTier.TIER1:
+            wait += entry.reload_estimate_ms(entry.tier)
+        return round(wait, 1)
 
     def _run(self, runtime: ModelRuntime, request_id: str, work: ChatWork, cancel: threading.Event, sink: Sink) -> None:
         arrived = time.perf_counter()
@@ -253,6 +296,7 @@ class Worker:
                 leased = True
             queue_ms = (time.perf_counter() - arrived) * 1000
             final = self._serve_chat(runtime, engine, work, cancel, sink, queue_ms)
+            runtime.note_service((time.perf_counter() - arrived) * 1000 - queue_ms)
         except HypnosError as exc:
             final = exc.as_event()
         except Exception as exc:
@@ -475,6 +519,8 @@ class Worker:
                 "moe_offload": "off",
                 "expert_bytes": 0,
                 "loads": runtime.loads,
+                "service_ms": round(runtime.service_ms, 1) if runtime.service_ms is not None else None,
+                "estimated_wait_ms": self.estimated_wait_ms(runtime),
             }
             if model_id in self.tiers.entries:
                 row.update(self.tiers.model_status(model_id))

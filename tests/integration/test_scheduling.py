@@ -1,0 +1,82 @@
+"""Admission beyond the queue bound: estimated waits, deadlines, next-model prefetch, workflows."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from inference.worker import Worker
+from tests.conftest import PARIS_MESSAGES
+from tests.integration.conftest import post_json, wait_until, with_limits
+
+pytestmark = pytest.mark.django_db(transaction=True)
+URL = "/v1/chat/completions"
+SMOL, QWEN = "smollm2-135m", "qwen2.5-coder-0.5b"
+LONG_STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
+
+
+async def test_an_admitted_request_carries_its_estimated_wait(api):
+    response = await post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 2})
+    assert response.status_code == 200
+    assert response["x-hypnos-estimated-wait-ms"] == "0"
+
+
+async def test_a_deadline_the_queue_cannot_meet_is_refused_at_once(api, worker, settings):
+    with_limits(settings, max_tokens_cap=2000)
+    await post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 8})
+    assert worker.models[SMOL].service_ms is not None
+    busy = await post_json(api, URL, {"model": SMOL, "messages": LONG_STORY, "max_tokens": 2000, "stream": True})
+    reader = asyncio.create_task(_drain(busy))
+    try:
+        refused = await post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES},
+                                  **{"x-hypnos-deadline-ms": "1"})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["type"] == "deadline_unmeetable"
+        assert int(refused["Retry-After"]) >= 1
+        assert worker.models[SMOL].admitted == 1  # the refused request was never queued
+        bad = await post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES}, **{"x-hypnos-deadline-ms": "soon"})
+        assert bad.status_code == 400
+    finally:
+        reader.cancel()
+    assert await wait_until(lambda: worker.models[SMOL].admitted == 0, timeout=10)
+    status = (await api.get("/v1/memory/status")).json()
+    smol = next(m for m in status["models"] if m["id"] == SMOL)
+    assert smol["service_ms"] > 0 and smol["estimated_wait_ms"] == 0
+
+
+async def _drain(response) -> None:  # type: ignore[no-untyped-def]
+    async for _ in response.streaming_content:
+        pass
+
+
+async def test_the_next_model_is_loaded_while_this_request_runs(api, settings, use_worker):
+    config = settings.HYPNOS.model_copy(update={"models": settings.HYPNOS.models[:2]})
+    worker = use_worker(Worker(config))
+    worker.start()
+    assert worker.wait_ready(60)
+    try:
+        assert worker.tiers.entries[QWEN].tier == "tier3_nvme_ssd"
+        response = await post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 2},
+                                   **{"x-hypnos-next-model": QWEN})
+        assert response.status_code == 200
+        assert await wait_until(lambda: worker.tiers.entries[QWEN].tier == "tier1_gpu_vram", timeout=60)
+        telemetry = (await post_json(api, URL, {"model": QWEN, "messages": PARIS_MESSAGES, "max_tokens": 2})).json()
+        assert telemetry["hypnos_telemetry"]["previous_tier"] == "tier1_gpu_vram"
+        unknown = await post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 2},
+                                  **{"x-hypnos-next-model": "no-such-model"})
+        assert unknown.status_code == 200
+    finally:
+        worker.shutdown()
+
+
+async def test_a_workflow_is_timed_from_its_first_start_to_its_last_byte(api):
+    headers = {"x-hypnos-workflow": "voice_turn/turn-1"}
+    first = await post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 2}, **headers)
+    second = await post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 2, "stream": True},
+                             **headers, **{"x-hypnos-workflow-end": "true"})
+    await _drain(second)
+    assert first.status_code == second.status_code == 200
+    workflows = (await api.get("/v1/memory/status")).json()["latency"]["workflows"]
+    assert workflows["voice_turn"]["count"] == 1
+    assert workflows["voice_turn"]["p50_ms"] > 0

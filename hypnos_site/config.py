@@ -132,6 +132,10 @@ class HardwareConfig(_Strict):
     pinned_ram_budget_bytes: int | None = Field(default=None, ge=0)
     # A partial GPU placement must hold at least this share of the layers, else 507.
     min_gpu_layer_ratio: float = Field(default=0.5, ge=0, le=1)
+    # KV parking (spec §14): keep a chat model's conversation in host memory while the model is
+    # out of tier 1, and restore it when the model returns with the same context layout.
+    kv_park: bool = False
+    kv_park_max_bytes: int = Field(default=4 << 30, ge=0)
     # Engine threads; unset uses every core.
     n_threads: int | None = Field(default=None, ge=1)
 

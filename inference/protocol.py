@@ -213,6 +213,11 @@ class ResponsesRequest(_Wire):
     seed: int | None = None
 
 
+class KvParkRequest(_Wire):
+    enabled: bool | None = None
+    max_bytes: int | None = Field(default=None, ge=0)
+
+
 class InternalSetRequest(_Wire):
     max_loaded_models: int | None = Field(ge=1)
 

@@ -17,6 +17,7 @@ from inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     InternalSetRequest,
+    KvParkRequest,
     MemoryTierRequest,
     ResponsesRequest,
     parse_body,
@@ -98,6 +99,17 @@ def _object(data: object) -> dict:
     if not isinstance(data, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     return data
+
+
+class KvParkView(APIView):
+    async def get(self, request: Request) -> JsonResponse:
+        return JsonResponse(await get_client().control("kv_park", {}))
+
+    async def post(self, request: Request) -> JsonResponse:
+        body = parse_body(KvParkRequest, request.data)
+        if body.enabled is None and body.max_bytes is None:
+            raise InvalidRequest("Send enabled, max_bytes or both.")
+        return JsonResponse(await get_client().control("kv_park", body.model_dump()))
 
 
 class UnknownRouteView(APIView):

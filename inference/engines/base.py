@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hypnos_site.config import ModelConfig
+from memory.kv_park import ParkedState
 from memory.planner import Footprint
 
 
@@ -24,6 +25,8 @@ class LoadPhases:
     context_ms: float
     total_ms: float
     projector_ms: float = 0.0
+    kv_restore_ms: float | None = None
+    kv_restored_tokens: int | None = None
 
     def plus(self, other: LoadPhases) -> LoadPhases:
         return LoadPhases(
@@ -41,6 +44,8 @@ class LoadPhases:
             "projector_ms": round(self.projector_ms, 1),
             "context_ms": round(self.context_ms, 1),
             "total_ms": round(self.total_ms, 1),
+            **({"kv_restore_ms": round(self.kv_restore_ms, 1), "kv_restored_tokens": self.kv_restored_tokens}
+               if self.kv_restore_ms is not None else {}),
         }
 
 
@@ -158,6 +163,18 @@ class Engine(ABC):
     @abstractmethod
     def cool(self) -> None:
         """Release everything and drop the file's page cache."""
+
+    def kv_layout(self) -> tuple[Any, ...] | None:
+        """What a parked KV state must match to be restored (None: nothing to park)."""
+        return None
+
+    def park(self) -> ParkedState | None:
+        """The loaded context's conversation state, for KV parking (None when there is none)."""
+        return None
+
+    def restore(self, state: ParkedState) -> int:
+        """Put a parked state back into the freshly loaded context; the tokens restored."""
+        return 0
 
     def capabilities(self) -> set[str]:
         """What the model can do beyond its modality: `tools`, `thinking`."""

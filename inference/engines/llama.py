@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import codecs
+import ctypes
 import json
 import random
 import threading
@@ -24,6 +25,7 @@ from inference.engines.text import StopMatcher
 from inference.engines.tools import call_schema, may_become_call, parse_tool_calls
 from inference.errors import ContextLengthExceeded, DeviceOutOfMemory, InvalidRequest, ModelNotAvailable
 from memory.gguf import read_gguf
+from memory.kv_park import ParkedState
 from memory.planner import Footprint, footprint_from_info
 
 # Sampling defaults when the request leaves a value out (llama.cpp's own defaults).
@@ -111,6 +113,36 @@ class LlamaEngine(Engine):
         self._formatter = self._chat_formatter(llm)
         total_ms = (time.perf_counter() - started) * 1000
         return LoadPhases(load_mode=mode, weights_ms=total_ms - context_ms, context_ms=context_ms, total_ms=total_ms)
+
+    def kv_layout(self) -> tuple[Any, ...] | None:
+        return (self.context_len, 1, str(self.weights), self.weights.stat().st_size) if self._llm else None
+
+    def park(self) -> ParkedState | None:
+        llm = self._llm
+        if llm is None or llm.n_tokens == 0:
+            return None
+        size = llama_cpp.llama_state_seq_get_size(llm.ctx, 0)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(llm.ctx, buffer, size, 0)
+        if written == 0:
+            return None
+        layout = self.kv_layout()
+        assert layout is not None
+        return ParkedState(layout=layout, tokens=tuple(int(t) for t in llm._input_ids[: llm.n_tokens]),
+                           data=bytes(buffer[:written]))
+
+    def restore(self, state: ParkedState) -> int:
+        llm = self._llm
+        assert llm is not None
+        buffer = (ctypes.c_uint8 * state.size).from_buffer_copy(state.data)
+        if llama_cpp.llama_state_seq_set_data(llm.ctx, buffer, state.size, 0) == 0:
+            return 0
+        n = len(state.tokens)
+        llm.input_ids[:n] = state.tokens
+        llm.n_tokens = n
+        # The logits of the last token are not part of the state: generate() re-evaluates it.
+        llm._requires_eval = True
+        return n
 
     def unload(self) -> None:
         if self._llm is not None:

@@ -45,7 +45,7 @@ Sink = Callable[[Event], None]
 # How often a request waiting for a slot looks at its cancel flag.
 SLOT_POLL_SECS = 0.05
 MIN_CONTEXT = 2048
-CONTROL_OPS = ("status", "memory_status", "move", "set_limits")
+CONTROL_OPS = ("status", "memory_status", "move", "set_limits", "kv_park")
 NO_ROOM_ERRORS = {"insufficient_vram_or_ram": InsufficientMemory, "process_memory_cap": ProcessMemoryCap}
 
 
@@ -103,6 +103,7 @@ class Worker:
         self.config = config
         self.device = probe_device(hardware_limits(config))
         self.tiers = TierManager(self.device, hardware_limits(config))
+        self.kv_parking = KvParking(config.hardware.kv_park, config.hardware.kv_park_max_bytes)
         self.models: dict[str, ModelRuntime] = {}
         self.names: dict[str, str] = {}
         for model in config.models:
@@ -219,6 +220,9 @@ class Worker:
                 result: Any = self.status()
             elif op == "memory_status":
                 result = self.memory_status()
+            elif op == "kv_park":
+                self.kv_parking.configure(payload.get("enabled"), payload.get("max_bytes"))
+                result = self.kv_parking.status()
             elif op == "set_limits":
                 self.tiers.max_resident = payload.get("max_loaded_models")
                 result = {"max_loaded_models": self.tiers.max_resident}
@@ -405,6 +409,7 @@ class Worker:
             try:
                 engine.unload()
                 switch.phases = engine.load(wanted, placement.gpu_layers)
+                self._restore_parked(model_id, engine, switch.phases)
             except BaseException:
                 self.tiers.commit(model_id, MemoryTier.TIER2 if engine.warm_bytes else MemoryTier.TIER3)
                 raise
@@ -413,6 +418,28 @@ class Worker:
             log.info("%s: %s -> tier 1 in %.0f ms (evicted %s)", model_id, switch.previous_tier,
                      switch.phases.total_ms, switch.evicted or "nothing")
             return switch
+
+    def _restore_parked(self, model_id: str, engine: Engine, phases: LoadPhases) -> None:
+        layout = engine.kv_layout()
+        state = self.kv_parking.take(model_id, layout) if layout is not None else None
+        if state is None:
+            return
+        started = time.perf_counter()
+        phases.kv_restored_tokens = engine.restore(state)
+        phases.kv_restore_ms = (time.perf_counter() - started) * 1000
+        phases.total_ms += phases.kv_restore_ms
+
+    def _demote(self, model_id: str, engine: Engine, to_tier: MemoryTier) -> None:
+        """Take the model out of tier 1 (parking its conversation when KV parking is on)."""
+        if self.kv_parking.enabled and engine.loaded:
+            state = engine.park()
+            if state is not None:
+                self.kv_parking.park(model_id, state)
+        if to_tier == MemoryTier.TIER3:
+            engine.cool()
+        else:
+            engine.unload()
+        self.tiers.commit(model_id, to_tier)
 
     def _plan(self, model_id: str, context_len: int) -> tuple[Placement, list[Eviction]]:
         try:
@@ -425,11 +452,7 @@ class Worker:
         """Carry out a demotion the TierManager chose (the victim is idle: it holds no lease)."""
         engine = self.models[eviction.model].engine
         assert engine is not None
-        if eviction.to_tier == MemoryTier.TIER2:
-            engine.unload()
-        else:
-            engine.cool()
-        self.tiers.commit(eviction.model, eviction.to_tier)
+        self._demote(eviction.model, engine, eviction.to_tier)
         self.tiers.record_eviction(eviction, for_model)
         log.info("evicted %s to %s for %s (%s)", eviction.model, eviction.to_tier, for_model, eviction.reason)
 
@@ -458,8 +481,7 @@ class Worker:
                 self._warm(runtime, engine)
             else:
                 with runtime.load_lock, self._placement_lock:
-                    engine.cool()
-                    self.tiers.commit(model_id, MemoryTier.TIER3)
+                    self._demote(model_id, engine, MemoryTier.TIER3)
         finally:
             self.tiers.release(model_id, served=False)
         return self.tiers.entries[model_id].placement
@@ -469,8 +491,7 @@ class Worker:
         with runtime.load_lock:
             if engine.loaded:
                 with self._placement_lock:
-                    engine.unload()
-                    self.tiers.commit(model_id, MemoryTier.TIER2)
+                    self._demote(model_id, engine, MemoryTier.TIER2)
                 return
             with self._placement_lock:
                 try:
@@ -545,4 +566,5 @@ class Worker:
             "gpu": self.device.gpu_health(),
             "models": models,
             "recent_evictions": list(self.tiers.recent_evictions),
+            "kv_park": self.kv_parking.status(),
         }

@@ -9,5 +9,6 @@ urlpatterns = [
     path("models", views.ModelListView.as_view()),
     path("memory/status", views.MemoryStatusView.as_view()),
     path("memory/tier", views.MemoryTierView.as_view()),
+    path("memory/kv-park", views.KvParkView.as_view()),
     re_path(r"^.*$", views.UnknownRouteView.as_view()),
 ]

@@ -35,6 +35,7 @@ from inference.errors import (
     ServerError,
 )
 from memory.device import HardwareLimits, probe_device, process_memory_bytes
+from memory.kv_park import KvParking
 from memory.manager import Eviction, NoRoom, TierManager
 from memory.tiers import MemoryTier, Placement
 

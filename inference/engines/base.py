@@ -89,6 +89,8 @@ class ChatResult:
     decode_ms: float
     ttft_ms: float
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    # Most requests that shared a decode step with this one (itself included).
+    concurrent_slots: int = 1
 
     def engine_timings(self) -> dict[str, Any]:
         prefill_tokens = max(self.prompt_tokens - self.cached_tokens, 0)
@@ -100,7 +102,7 @@ class ChatResult:
             "prefill_tokens_per_s": round(prefill_tokens / (self.prefill_ms / 1000), 1) if self.prefill_ms > 0 else 0.0,
             "decode_tokens_per_s": round(decoded / (self.decode_ms / 1000), 1) if self.decode_ms > 0 else 0.0,
             "cached_tokens": self.cached_tokens,
-            "concurrent_slots": 1,
+            "concurrent_slots": self.concurrent_slots,
         }
 
 

@@ -21,6 +21,7 @@ from llama_cpp.llama_grammar import JSON_GBNF
 
 from hypnos_site.config import ModelConfig
 from inference.engines.base import ChatResult, ChatWork, DeltaSink, Engine, LoadPhases, WarmCopy, drop_page_cache
+from inference.engines.llama_slots import SlotJob, SlotScheduler
 from inference.engines.text import StopMatcher
 from inference.engines.tools import call_schema, may_become_call, parse_tool_calls
 from inference.errors import ContextLengthExceeded, DeviceOutOfMemory, InvalidRequest, ModelNotAvailable
@@ -40,6 +41,11 @@ class _TimedContext(internals.LlamaContext):
 
     def __init__(self, *args: Any, **kwargs: Any):
         started = time.perf_counter()
+        sequences = getattr(_TimedContext.timing, "sequences", 1)
+        if sequences > 1 and "params" in kwargs:
+            # llama-cpp-python exposes no n_seq_max: slots need one KV sequence each.
+            kwargs["params"].n_seq_max = sequences
+            kwargs["params"].kv_unified = True
         super().__init__(*args, **kwargs)
         _TimedContext.timing.ms = (time.perf_counter() - started) * 1000
 
@@ -56,6 +62,8 @@ class LlamaEngine(Engine):
         self._llm: llama_cpp.Llama | None = None
         self._formatter: Jinja2ChatFormatter | None = None
         self._warm: WarmCopy | None = None
+        self._scheduler: SlotScheduler | None = None
+        self.max_concurrency = model.slots
         self._footprint: Footprint | None = None
         self._metadata: dict[str, object] = {}
 
@@ -97,6 +105,7 @@ class LlamaEngine(Engine):
         mode = "mmap" if self._warm is not None else "read"
         self.warm()
         assert self._warm is not None
+        _TimedContext.timing.sequences = self.model.slots
         try:
             llm = llama_cpp.Llama(
                 model_path=self._warm.path,
@@ -108,8 +117,12 @@ class LlamaEngine(Engine):
             )
         except (ValueError, RuntimeError, OSError) as exc:
             raise ModelNotAvailable(f"model {self.model.id!r} could not be loaded from {self.weights}: {exc}") from exc
+        finally:
+            _TimedContext.timing.sequences = 1
         context_ms = getattr(_TimedContext.timing, "ms", 0.0)
         self._llm = llm
+        if self.model.slots > 1:
+            self._scheduler = SlotScheduler(llm, self.model.slots)
         self._formatter = self._chat_formatter(llm)
         total_ms = (time.perf_counter() - started) * 1000
         return LoadPhases(load_mode=mode, weights_ms=total_ms - context_ms, context_ms=context_ms, total_ms=total_ms)
@@ -119,8 +132,8 @@ class LlamaEngine(Engine):
 
     def park(self) -> ParkedState | None:
         llm = self._llm
-        if llm is None or llm.n_tokens == 0:
-            return None
+        if llm is None or llm.n_tokens == 0 or self._scheduler is not None:
+            return None  # parking covers the single-slot context (its one sequence)
         size = llama_cpp.llama_state_seq_get_size(llm.ctx, 0)
         buffer = (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_seq_get_data(llm.ctx, buffer, size, 0)
@@ -145,6 +158,9 @@ class LlamaEngine(Engine):
         return n
 
     def unload(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+            self._scheduler = None
         if self._llm is not None:
             self._llm.close()
         self._llm = None
@@ -179,15 +195,8 @@ class LlamaEngine(Engine):
                 "send fewer messages or ask for a larger num_ctx.",
                 param="messages",
             )
-        if work.seed is not None:
-            # A reused prefix re-evaluates only the tail, whose logits differ in the last bits
-            # from a whole-prompt evaluation; a seeded run must not depend on the previous one.
-            llm.reset()
-        cached = self._cached_prefix(tokens)
-        llm.set_seed(work.seed if work.seed is not None else random.randrange(2**31))
         output = _Output(on_delta, hold=plan.tool_names is not None, forced=plan.forced_prefix is not None)
-        result = self._generate(llm, tokens, cached, work, plan.grammar, min(work.max_tokens, n_ctx - len(tokens)),
-                                cancel, output)
+        result = self._decode(llm, tokens, work, plan.grammar, min(work.max_tokens, n_ctx - len(tokens)), cancel, output)
         if plan.tool_names is not None:
             text = (plan.forced_prefix or "") + output.held_text()
             content, calls = parse_tool_calls(text, plan.tool_names)
@@ -198,6 +207,34 @@ class LlamaEngine(Engine):
             else:
                 output.release(output.held_text())
         return result
+
+    def _decode(self, llm: llama_cpp.Llama, tokens: list[int], work: ChatWork, grammar: llama_cpp.LlamaGrammar | None,
+                max_tokens: int, cancel: threading.Event, output: _Output) -> ChatResult:
+        """Generate on this engine's one context, or through its slot scheduler."""
+        seed = work.seed if work.seed is not None else random.randrange(2**31)
+        if self._scheduler is not None:
+            llm.set_seed(seed)
+            sampler = llm._init_sampler(
+                top_k=_pick(work.top_k, "top_k"), top_p=_pick(work.top_p, "top_p"), temp=_pick(work.temperature, "temperature"),
+                repeat_penalty=work.repeat_penalty, frequency_penalty=work.frequency_penalty,
+                presence_penalty=work.presence_penalty, grammar=grammar)
+            top = work.top_logprobs
+
+            def emit(text: str, token: int, index: int) -> None:
+                piece = llm.detokenize([token], special=False) if token >= 0 else b""
+                logprobs = _token_logprobs(llm, token, piece, top, index) if top is not None and token >= 0 else None
+                output.emit(text, logprobs)
+
+            job = SlotJob(tokens=tokens, sampler=sampler, stops=StopMatcher(work.stop), max_tokens=max_tokens,
+                          cancel=cancel, emit=emit, reuse_prefix=work.seed is None)
+            return self._scheduler.run(job)
+        if work.seed is not None:
+            # A reused prefix re-evaluates only the tail, whose logits differ in the last bits
+            # from a whole-prompt evaluation; a seeded run must not depend on the previous one.
+            llm.reset()
+        cached = self._cached_prefix(tokens)
+        llm.set_seed(seed)
+        return self._generate(llm, tokens, cached, work, grammar, max_tokens, cancel, output)
 
     def _prompt(self, llm: llama_cpp.Llama, work: ChatWork) -> _PromptPlan:
         """The prompt text, the grammar and the tool handling of one request."""
@@ -243,16 +280,10 @@ class LlamaEngine(Engine):
         prompt = self._formatter(messages=[*ROUTER_SHOTS, {
             "role": "user", "content": f"Functions:\n{listing}\nRequest: {request}"}]).prompt
         tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
-        out: list[int] = []
-        generator = llm.generate(tokens, temp=0.0, grammar=grammar)
-        try:
-            for token in generator:
-                if llama_cpp.llama_vocab_is_eog(llm._model.vocab, token) or len(out) > 16:
-                    break
-                out.append(token)
-        finally:
-            generator.close()
-        decision = llm.detokenize(out, special=False).decode("utf-8", errors="replace").strip()
+        answer: list[str] = []
+        self._decode(llm, tokens, ChatWork(messages=[], max_tokens=16, temperature=0.0), grammar, 16,
+                     threading.Event(), _Output(lambda text, _: answer.append(text), hold=False, forced=False))
+        decision = "".join(answer).strip()
         return {"name": decision} if decision in names else None
 
     def _generate(
@@ -444,10 +475,10 @@ def _grammar(schema: dict[str, Any] | None) -> llama_cpp.LlamaGrammar | None:
         raise InvalidRequest(f"the JSON schema cannot be turned into a grammar: {exc}", param="response_format") from exc
 
 
-def _token_logprobs(llm: llama_cpp.Llama, token: int, piece: bytes, top: int) -> list[dict[str, Any]]:
+def _token_logprobs(llm: llama_cpp.Llama, token: int, piece: bytes, top: int, index: int = -1) -> list[dict[str, Any]]:
     """OpenAI's logprobs entry for the token just sampled, from the logits it was sampled from
     (still in the context: the next evaluation has not run yet)."""
-    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, index), shape=(llm.n_vocab(),))
     logprobs = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
     entry: dict[str, Any] = {
         "token": piece.decode("utf-8", errors="replace"),

@@ -57,12 +57,16 @@ class ModelRuntime:
     config: ModelConfig
     engine: Engine | None = None
     load_lock: threading.Lock = field(default_factory=threading.Lock)
-    slots: threading.BoundedSemaphore = field(default_factory=lambda: threading.BoundedSemaphore(1))
+    slots: threading.BoundedSemaphore = field(init=False)
     admitted: int = 0
     loads: int = 0
     problem: str | None = None
     # Average time a request holds the model (moving average), once measured.
     service_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        # Requests that may run at once: the model's execution slots.
+        self.slots = threading.BoundedSemaphore(self.config.slots)
 
     def note_service(self, ms: float) -> None:
         self.service_ms = ms if self.service_ms is None else 0.7 * self.service_ms + 0.3 * ms

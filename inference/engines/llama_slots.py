@@ -1,0 +1,232 @@
+"""Execution slots that share decode steps: the requests running on one llama.cpp model are
+evaluated together, one llama_decode per step, each in its own KV sequence with its own
+sampler, grammar and stop strings (spec §7.3).
+
+One scheduler thread owns the llama context. Requests hand it a `SlotJob` and wait; it admits
+jobs into free slots (the slot whose cached tokens share the longest prefix with the prompt, so
+a conversation's next turn re-evaluates only its new tokens), builds each step's batch from the
+pending prompt chunks and the last sampled tokens, decodes, samples and streams.
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import llama_cpp
+import llama_cpp._internals as internals
+
+from inference.engines.base import ChatResult
+from inference.engines.text import StopMatcher
+from inference.errors import DeviceOutOfMemory, ServerError
+
+log = logging.getLogger(__name__)
+BATCH_TOKENS = 512
+
+
+@dataclass
+class SlotJob:
+    """One generation: prompt tokens in, tokens out through `emit`, a ChatResult at the end."""
+
+    tokens: list[int]
+    sampler: internals.LlamaSampler
+    stops: StopMatcher
+    max_tokens: int
+    cancel: threading.Event
+    # (text, token, batch index): called on the scheduler thread for every sampled token.
+    emit: Callable[[str, int, int], None]
+    # A seeded run re-evaluates its whole prompt: a reused prefix's tail rounds differently.
+    reuse_prefix: bool = True
+    done: threading.Event = field(default_factory=threading.Event)
+    result: ChatResult | None = None
+    error: BaseException | None = None
+    # Scheduler state.
+    pending: list[int] = field(default_factory=list)
+    produced: int = 0
+    cached: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    first_at: float | None = None
+    concurrency: int = 1
+    decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+
+
+@dataclass
+class _Slot:
+    seq: int
+    tokens: list[int] = field(default_factory=list)
+    job: SlotJob | None = None
+
+
+class SlotScheduler:
+    def __init__(self, llm: llama_cpp.Llama, n_slots: int):
+        self.llm = llm
+        self.slots = [_Slot(seq) for seq in range(n_slots)]
+        self.batch = internals.LlamaBatch(n_tokens=BATCH_TOKENS, embd=0, n_seq_max=1, verbose=False)
+        self.queue: deque[SlotJob] = deque()
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._loop, name="hypnos-slots", daemon=True)
+        self.thread.start()
+
+    def run(self, job: SlotJob) -> ChatResult:
+        """Queue the job and wait for it (the caller's cancel flag ends it at the next step)."""
+        with self.cond:
+            self.queue.append(job)
+            self.cond.notify()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        assert job.result is not None
+        return job.result
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        self.thread.join()
+        self.batch.close()
+
+    # -- the scheduler thread ----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.stopping and not self.queue and not self._active():
+                    self.cond.wait()
+                if self.stopping:
+                    self._fail_all(ServerError("the model was unloaded while the request ran"))
+                    return
+                self._admit()
+            try:
+                self._step()
+            except BaseException as exc:  # a decode failure ends every job in the step
+                log.exception("batched decode failed")
+                self._fail_all(exc)
+
+    def _active(self) -> list[_Slot]:
+        return [s for s in self.slots if s.job is not None]
+
+    def _admit(self) -> None:
+        free = [s for s in self.slots if s.job is None]
+        while self.queue and free:
+            job = self.queue.popleft()
+            if job.cancel.is_set():
+                self._finish(None, job, "cancelled")
+                continue
+            slot = max(free, key=lambda s: _common_prefix(s.tokens, job.tokens))
+            free.remove(slot)
+            # Keep the shared prefix; the last prompt token is always evaluated for its logits.
+            reuse = min(_common_prefix(slot.tokens, job.tokens), len(job.tokens) - 1) if job.reuse_prefix else 0
+            llama_cpp.llama_memory_seq_rm(self.llm._ctx.memory, slot.seq, reuse, -1)
+            slot.tokens = slot.tokens[:reuse]
+            job.cached = reuse
+            job.pending = job.tokens[reuse:]
+            slot.job = job
+
+    def _step(self) -> None:
+        """One llama_decode: one token of every generating slot plus prompt chunks in the room
+        that is left. (llama.cpp's kernels are not batch-invariant: what shares a step changes
+        the last bits of the logits, so an answer under load can differ from the same request
+        run alone, as on every batching server.)"""
+        batch, room = self.batch.batch, BATCH_TOKENS
+        batch.n_tokens = 0
+        sampling: list[tuple[_Slot, int]] = []
+        # Generating slots first (one token each), then prompt chunks.
+        for slot in sorted(self._active(), key=lambda s: len(s.job.pending) > 1):  # type: ignore[union-attr]
+            job = slot.job
+            assert job is not None
+            if job.cancel.is_set():
+                self._finish(slot, job, "cancelled")
+                continue
+            take = job.pending[:room]
+            if not take:
+                continue
+            for token in take:
+                i = batch.n_tokens
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, len(slot.tokens), 1
+                batch.seq_id[i][0] = slot.seq
+                batch.logits[i] = False
+                slot.tokens.append(token)
+                batch.n_tokens += 1
+            room -= len(take)
+            job.pending = job.pending[len(take):]
+            if not job.pending:
+                batch.logits[batch.n_tokens - 1] = True
+                sampling.append((slot, batch.n_tokens - 1))
+        if batch.n_tokens == 0:
+            return
+        code = llama_cpp.llama_decode(self.llm._ctx.ctx, batch)
+        if code != 0:
+            raise (DeviceOutOfMemory if code in (-2, -3) else ServerError)(f"llama_decode returned {code}")
+        for slot, index in sampling:
+            job = slot.job
+            assert job is not None
+            job.concurrency = max(job.concurrency, len(sampling))
+            self._sampled(slot, job, job.sampler.sample(self.llm._ctx, index), index)
+
+    def _sampled(self, slot: _Slot, job: SlotJob, token: int, index: int) -> None:
+        job.first_at = job.first_at or time.perf_counter()
+        if llama_cpp.llama_vocab_is_eog(self.llm._model.vocab, token):
+            self._finish(slot, job, "stop")
+            return
+        job.produced += 1
+        text, stopped = job.stops.feed(job.decoder.decode(self.llm.detokenize([token], special=False)))
+        job.emit(text, token, index)
+        if stopped:
+            self._finish(slot, job, "stop")
+        elif job.cancel.is_set():
+            self._finish(slot, job, "cancelled")
+        elif job.produced >= job.max_tokens:
+            self._finish(slot, job, "length")
+        else:
+            job.pending = [token]
+
+    def _finish(self, slot: _Slot | None, job: SlotJob, reason: str) -> None:
+        tail = job.stops.flush() + job.decoder.decode(b"", final=True)
+        if tail:
+            job.emit(tail, -1, -1)
+        ended = time.perf_counter()
+        first = job.first_at or ended
+        job.result = ChatResult(
+            finish_reason=reason,
+            prompt_tokens=len(job.tokens),
+            completion_tokens=job.produced,
+            cached_tokens=job.cached,
+            prefill_ms=(first - job.started) * 1000,
+            decode_ms=(ended - first) * 1000,
+            ttft_ms=(first - job.started) * 1000,
+            concurrent_slots=job.concurrency,
+        )
+        if slot is not None:
+            slot.job = None
+        job.sampler.close()
+        job.done.set()
+
+    def _fail_all(self, error: BaseException) -> None:
+        for slot in self._active():
+            job = slot.job
+            assert job is not None
+            slot.job = None
+            slot.tokens = []
+            llama_cpp.llama_memory_seq_rm(self.llm._ctx.memory, slot.seq, 0, -1)
+            job.error = error
+            job.done.set()
+        while self.queue:
+            job = self.queue.popleft()
+            job.error = error
+            job.done.set()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,91 @@
+"""Execution slots sharing decode steps on the real SmolLM2 (slots = 3)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from inference.worker import Worker
+from tests.integration.conftest import post_json, wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+SMOL = "smollm2-135m"
+URL = "/v1/chat/completions"
+PROMPTS = ["Name three fruits.", "Write a haiku about snow.", "What is a CPU?", "Tell me a fun fact about cats."]
+# What each answer must be about: sequences decoded together must not leak into each other.
+TOPICS = [("apple", "banana", "orange", "fruit"), ("snow",), ("cpu", "processor", "central"), ("cat",)]
+
+
+@pytest.fixture
+def three_slots(settings, use_worker) -> Iterator[Worker]:
+    model = settings.HYPNOS.models[0].model_copy(update={"slots": 3})
+    config = settings.HYPNOS.model_copy(update={
+        "models": [model], "limits": settings.HYPNOS.limits.model_copy(update={"max_queue_per_model": 4})})
+    worker = use_worker(Worker(config))
+    worker.start()
+    assert worker.wait_ready(60)
+    yield worker
+    worker.shutdown()
+
+
+def request(prompt: str, **extra: object) -> dict:
+    return {"model": SMOL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 24,
+            "temperature": 0, **extra}
+
+
+async def test_four_streams_on_three_slots_batch_three_and_queue_one(api, three_slots):
+    together = await asyncio.gather(*[post_json(api, URL, request(p, stream=True)) for p in PROMPTS])
+    finals = []
+    for response, topics in zip(together, TOPICS):
+        events = [line for line in b"".join([c async for c in response.streaming_content]).decode().split("\n\n")
+                  if line.startswith("data: {")]
+        chunks = [json.loads(e[len("data: "):]) for e in events]
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert any(topic in text.lower() for topic in topics), text
+        finals.append(chunks[-1])
+    assert all(0 < f["usage"]["completion_tokens"] <= 24 for f in finals)
+    slots = sorted(f["hypnos_telemetry"]["engine"]["concurrent_slots"] for f in finals)
+    assert slots[-1] == 3
+    waited = sorted(f["hypnos_telemetry"]["engine"]["queue_ms"] for f in finals)
+    assert waited[-1] > 10 * max(waited[0], 1)  # the fourth waited for a slot
+
+
+async def test_a_seeded_request_alone_is_reproducible(api, three_slots):
+    body = request(PROMPTS[1], seed=7, temperature=0.8)
+    first = (await post_json(api, URL, body)).json()["choices"][0]["message"]["content"]
+    second = (await post_json(api, URL, body)).json()["choices"][0]["message"]["content"]
+    assert first == second
+
+
+async def test_a_slot_reuses_its_conversation_prefix(api, three_slots):
+    history = [{"role": "system", "content": "You are terse. " * 30}, {"role": "user", "content": "Hi"}]
+    first = (await post_json(api, URL, {"model": SMOL, "messages": history, "max_tokens": 4})).json()
+    history += [first["choices"][0]["message"], {"role": "user", "content": "And then?"}]
+    second = (await post_json(api, URL, {"model": SMOL, "messages": history, "max_tokens": 4})).json()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 1
+
+
+async def test_a_cancelled_request_frees_its_slot_at_once(api, three_slots):
+    body = {"model": SMOL, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+            "max_tokens": 2000, "stream": True}
+    responses = [await post_json(api, URL, body) for _ in range(3)]
+    chunks: list[list[bytes]] = [[], [], []]
+
+    async def consume(i: int) -> None:
+        async for chunk in responses[i].streaming_content:
+            chunks[i].append(chunk)
+
+    readers = [asyncio.create_task(consume(i)) for i in range(3)]
+    try:
+        assert await wait_until(lambda: all(len(c) >= 2 for c in chunks), timeout=60)
+        readers[0].cancel()
+        assert await wait_until(lambda: three_slots.models[SMOL].admitted == 2, timeout=3)
+        quick = await post_json(api, URL, request("Hi", max_tokens=2))
+        assert quick.status_code == 200
+        assert quick.json()["hypnos_telemetry"]["engine"]["queue_ms"] < 1000
+    finally:
+        for reader in readers:
+            reader.cancel()

@@ -39,6 +39,28 @@ class ModelListView(APIView):
     async def get(self, request: Request) -> JsonResponse:
         return JsonResponse(await models.list_models(get_client()))
 
+    async def head(self, request: Request) -> JsonResponse:
+        return JsonResponse(await models.list_models(get_client()))
+
+
+class ModelView(APIView):
+    async def get(self, request: Request, model_id: str) -> JsonResponse:
+        return JsonResponse(await models.get_model(get_client(), model_id))
+
+
+class ModelFilesView(APIView):
+    async def get(self, request: Request, model_id: str) -> JsonResponse:
+        return JsonResponse(models.model_files(model_id))
+
+
+class ModelEnableView(APIView):
+    """POST /v1/models/{id}/enable and /disable (spec §6)."""
+
+    enable = True
+
+    async def post(self, request: Request, model_id: str) -> JsonResponse:
+        return JsonResponse(await models.set_enabled(get_client(), model_id, self.enable))
+
 
 class MemoryStatusView(APIView):
     async def get(self, request: Request) -> JsonResponse:

@@ -1,4 +1,5 @@
-"""GET /v1/models: the configured pool with what the worker reports about each model."""
+"""The model routes: GET /v1/models (and HEAD), GET /v1/models/{id}, its files, and
+enable/disable (spec §6, compat.md), from the configured pool and what the worker reports."""
 
 from __future__ import annotations
 
@@ -6,30 +7,60 @@ from typing import Any
 
 from django.conf import settings
 
+from hypnos_site.config import ModelConfig
 from inference.client import InferenceClient
+from inference.errors import ModelNotFound
 
 CREATED = 1_767_225_600  # 2026-01-01, a fixed `created` for configured models
 
 
+def _model_object(model: ModelConfig, state: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": model.id,
+        "object": "model",
+        "created": CREATED,
+        "owned_by": "hypnos",
+        "modality": model.modality,
+        "aliases": model.aliases,
+        "current_tier": state.get("current_tier"),
+        "placement": state.get("placement"),
+        "active_leases": state.get("active_leases", 0),
+    }
+
+
+def _enabled(model: ModelConfig, state: dict[str, Any]) -> bool:
+    return bool(state.get("enabled", model.enabled))
+
+
 async def list_models(client: InferenceClient) -> dict[str, Any]:
-    status = await client.status()
-    states = (status or {}).get("models", {})
-    data = []
-    for model in settings.HYPNOS.models:
-        if not model.enabled:
-            continue
-        state = states.get(model.id, {})
-        data.append(
-            {
-                "id": model.id,
-                "object": "model",
-                "created": CREATED,
-                "owned_by": "hypnos",
-                "modality": model.modality,
-                "aliases": model.aliases,
-                "current_tier": state.get("current_tier"),
-                "placement": state.get("placement"),
-                "active_leases": state.get("active_leases", 0),
-            }
-        )
+    """Models in service; disabled ones are hidden."""
+    states = ((await client.status()) or {}).get("models", {})
+    data = [_model_object(m, states.get(m.id, {})) for m in settings.HYPNOS.models if _enabled(m, states.get(m.id, {}))]
     return {"object": "list", "data": data}
+
+
+def find(name: str) -> ModelConfig:
+    model = next((m for m in settings.HYPNOS.models if name in (m.id, *m.aliases)), None)
+    if model is None:
+        raise ModelNotFound(f"The model {name!r} does not exist; GET /v1/models lists the models.", param="model")
+    return model
+
+
+async def get_model(client: InferenceClient, name: str) -> dict[str, Any]:
+    model = find(name)
+    state = ((await client.status()) or {}).get("models", {}).get(model.id, {})
+    return {**_model_object(model, state), "enabled": _enabled(model, state)}
+
+
+def model_files(name: str) -> dict[str, Any]:
+    """GET /v1/models/{id}/files: the files the model block names, and whether they are there."""
+    model = find(name)
+    path = settings.HYPNOS.weights_file(model)
+    size = path.stat().st_size if path.is_file() else None
+    return {"object": "list", "model": model.id, "data": [
+        {"name": path.name, "role": "weights", "path": str(path), "size_bytes": size, "exists": path.exists()}]}
+
+
+async def set_enabled(client: InferenceClient, name: str, enabled: bool) -> dict[str, Any]:
+    find(name)
+    return await client.control("enable" if enabled else "disable", {"model": name})

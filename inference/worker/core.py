@@ -46,7 +46,7 @@ Sink = Callable[[Event], None]
 # How often a request waiting for a slot looks at its cancel flag.
 SLOT_POLL_SECS = 0.05
 MIN_CONTEXT = 2048
-CONTROL_OPS = ("status", "memory_status", "move", "set_limits", "kv_park")
+CONTROL_OPS = ("status", "memory_status", "move", "set_limits", "kv_park", "enable", "disable")
 NO_ROOM_ERRORS = {"insufficient_vram_or_ram": InsufficientMemory, "process_memory_cap": ProcessMemoryCap}
 
 
@@ -63,10 +63,13 @@ class ModelRuntime:
     problem: str | None = None
     # Average time a request holds the model (moving average), once measured.
     service_ms: float | None = None
+    # Switched by POST /v1/models/{id}/enable|disable; starts as the config says.
+    enabled: bool = field(init=False)
 
     def __post_init__(self) -> None:
         # Requests that may run at once: the model's execution slots.
         self.slots = threading.BoundedSemaphore(self.config.slots)
+        self.enabled = self.config.enabled
 
     def note_service(self, ms: float) -> None:
         self.service_ms = ms if self.service_ms is None else 0.7 * self.service_ms + 0.3 * ms
@@ -169,13 +172,29 @@ class Worker:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def resolve(self, name: str) -> ModelRuntime:
+    def resolve(self, name: str, enabled_only: bool = True) -> ModelRuntime:
         model_id = self.names.get(name)
         if model_id is None:
             raise ModelNotFound(f"The model {name!r} does not exist; GET /v1/models lists the models.", param="model")
         runtime = self.models[model_id]
-        if not runtime.config.enabled:
+        if enabled_only and not runtime.enabled:
             raise ModelDisabled(f"The model {name!r} is disabled.", param="model")
+        return runtime
+
+    def set_enabled(self, name: str, enabled: bool) -> ModelRuntime:
+        """POST /v1/models/{id}/enable|disable: a disabled model is evicted to disk and refused
+        (404 model_disabled) until enabled again; 429 while it serves a request."""
+        runtime = self.resolve(name, enabled_only=False)
+        model_id = runtime.config.id
+        with runtime.load_lock, self._placement_lock:
+            entry = self.tiers.entries.get(model_id)
+            if not enabled and entry is not None and entry.leases:
+                raise ModelBusy(f"The model {model_id!r} is serving requests; retry when it is idle.")
+            runtime.enabled = enabled
+            if not enabled and runtime.engine is not None and entry is not None:
+                self.kv_parking.drop(model_id)
+                runtime.engine.cool()
+                self.tiers.commit(model_id, MemoryTier.TIER3)
         return runtime
 
     def submit(self, request: dict[str, Any], sink: Sink) -> None:
@@ -225,6 +244,11 @@ class Worker:
                 result: Any = self.status()
             elif op == "memory_status":
                 result = self.memory_status()
+            elif op in ("enable", "disable"):
+                runtime = self.set_enabled(payload["model"], op == "enable")
+                placement = self.tiers.entries[runtime.config.id].placement if runtime.config.id in self.tiers.entries \
+                    else Placement.on_disk(0)
+                result = {"model": runtime.config.id, "enabled": runtime.enabled, "placement": placement.as_dict()}
             elif op == "kv_park":
                 self.kv_parking.configure(payload.get("enabled"), payload.get("max_bytes"))
                 result = self.kv_parking.status()
@@ -525,6 +549,7 @@ class Worker:
                 "active_leases": entry.leases if entry else 0,
                 "loads": runtime.loads,
                 "problem": runtime.problem,
+                "enabled": runtime.enabled,
             }
         return {"ready": self.ready, "simulated": self.device.simulated, "models": models}
 
@@ -538,7 +563,7 @@ class Worker:
             config = runtime.config
             row: dict[str, Any] = {
                 "id": model_id,
-                "enabled": config.enabled,
+                "enabled": runtime.enabled,
                 "modality": config.modality,
                 "modalities": [config.modality],
                 "engine": config.engine,

@@ -7,6 +7,7 @@ urlpatterns = [
     path("completions", views.CompletionsView.as_view()),
     path("responses", views.ResponsesView.as_view()),
     path("models", views.ModelListView.as_view()),
+    path("models/catalog", views.ModelCatalogView.as_view()),
     path("models/<path:model_id>/files", views.ModelFilesView.as_view()),
     path("models/<path:model_id>/enable", views.ModelEnableView.as_view(enable=True)),
     path("models/<path:model_id>/disable", views.ModelEnableView.as_view(enable=False)),

@@ -43,6 +43,11 @@ class ModelListView(APIView):
         return JsonResponse(await models.list_models(get_client()))
 
 
+class ModelCatalogView(APIView):
+    async def get(self, request: Request) -> JsonResponse:
+        return JsonResponse(models.catalog(request.query_params.get("modality")))
+
+
 class ModelView(APIView):
     async def get(self, request: Request, model_id: str) -> JsonResponse:
         return JsonResponse(await models.get_model(get_client(), model_id))

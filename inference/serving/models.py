@@ -9,7 +9,8 @@ from django.conf import settings
 
 from hypnos_site.config import ModelConfig
 from inference.client import InferenceClient
-from inference.errors import ModelNotFound
+from inference.errors import ModelNotFound, NotFound
+from models_registry.catalog import catalog_path, describe, load_catalog
 
 CREATED = 1_767_225_600  # 2026-01-01, a fixed `created` for configured models
 
@@ -59,6 +60,14 @@ def model_files(name: str) -> dict[str, Any]:
     size = path.stat().st_size if path.is_file() else None
     return {"object": "list", "model": model.id, "data": [
         {"name": path.name, "role": "weights", "path": str(path), "size_bytes": size, "exists": path.exists()}]}
+
+
+def catalog(modality: str | None) -> dict[str, Any]:
+    """GET /v1/models/catalog; 404 not_found when the server has no catalog file."""
+    path = catalog_path(settings.HYPNOS)
+    if not path.exists():
+        raise NotFound("This server has no models.catalog.toml.")
+    return describe(settings.HYPNOS, load_catalog(path), modality)
 
 
 async def set_enabled(client: InferenceClient, name: str, enabled: bool) -> dict[str, Any]:

@@ -1,0 +1,42 @@
+"""The model catalog: tested models with their variants, files and config blocks."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+from django.core.management import call_command
+
+from hypnos_site.config import ModelConfig
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def test_the_catalog_lists_the_tested_models_and_what_is_installed(api):
+    body = (await api.get("/v1/models/catalog")).json()
+    assert body["catalog_version"] == 1 and "qwen2" in body["tested_architectures"]
+    entries = {e["id"]: e for e in body["data"]}
+    assert {"smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"} <= set(entries)
+    smol = entries["smollm2-135m"]
+    assert smol["configured"] is True and smol["enabled"] is True and smol["configured_quant"] == "Q4_1"
+    [variant] = smol["variants"]
+    assert variant["installed"] is True and variant["outdated"] is False
+    assert variant["files"][0]["present"] is True and variant["size_bytes"] == 98362432
+    tools = (await api.get("/v1/models/catalog?modality=text_generation")).json()["data"]
+    assert len(tools) == len(body["data"])
+    assert (await api.get("/v1/models/catalog?modality=vision")).json()["data"] == []
+
+
+async def test_a_config_block_is_a_valid_model_block(api):
+    entries = {e["id"]: e for e in (await api.get("/v1/models/catalog")).json()["data"]}
+    block = entries["qwen2.5-coder-1.5b"]["variants"][0]["config_block"]
+    [model] = tomllib.loads(block)["models"]
+    parsed = ModelConfig.model_validate(model)
+    assert parsed.package_parts == 22 and parsed.tool_router is True
+
+
+def test_the_catalog_block_command_prints_the_same_block(capsys):
+    call_command("catalogblock", "qwen2.5-coder-0.5b:Q4_K_M")
+    printed = capsys.readouterr().out
+    assert 'weights_path = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"' in printed
+    assert ModelConfig.model_validate(tomllib.loads(printed)["models"][0]).id == "qwen2.5-coder-0.5b"

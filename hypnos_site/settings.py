@@ -25,15 +25,24 @@ INSTALLED_APPS = [
     "corsheaders",
     "rest_framework",
     "channels",
+    "django_prometheus",
     "models_registry",
     "logs",
     "inference",
 ]
 
 MIDDLEWARE = [
+    # django-prometheus's pair. The second one counts responses by status and view, so it sits
+    # above the accounting middleware (not last, as its docs suggest) to see the 429 and 403
+    # answers that never reach a view.
+    "hypnos_site.metrics.PrometheusBeforeMiddleware",
     "inference.middleware.RequestIdMiddleware",
     "inference.middleware.BodyLimitMiddleware",
     "corsheaders.middleware.CorsMiddleware",
+    "hypnos_site.metrics.PrometheusAfterMiddleware",
+    # Per-key limits, token charges, hypnos_* counters and the request log; inside CORS, so its
+    # 429 and 403 answers carry the CORS headers too.
+    "logs.middleware.InferenceAccountingMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -117,6 +126,7 @@ CORS_EXPOSE_HEADERS = [
     "x-hypnos-inference-ms",
     "x-hypnos-audio-secs",
     "x-hypnos-rtf",
+    "x-hypnos-audio-samples",
     "x-hypnos-estimated-wait-ms",
     "retry-after",
 ]

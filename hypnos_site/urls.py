@@ -1,12 +1,17 @@
 from django.contrib import admin
 from django.urls import include, path
 
+from hypnos_site.metrics import metrics_view
 from inference import views
 
 urlpatterns = [
     path("health", views.health),
     path("ready", views.ready),
     path("admin/", admin.site.urls),
+    path("metrics", metrics_view),
+    # Before inference.urls, whose last pattern answers every other /v1 path with a 404.
+    path("v1/", include("logs.urls")),
+    path("api/v1/", include("logs.urls")),
     path("v1/", include("inference.urls")),
     # Lemonade clients talk to /api/v1 (compat.md): its lifecycle routes, then every /v1 route.
     path("api/v1/", include("inference.lemonade_urls")),

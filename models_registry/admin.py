@@ -8,7 +8,10 @@ from models_registry.models import ApiKey
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
-    list_display = ["label", "key_prefix", "admin", "active", "requests_per_minute", "tokens_per_day", "created"]
+    list_display = [
+        "label", "key_prefix", "admin", "active", "requests_per_minute", "max_concurrent", "tokens_per_day",
+        "allowed_models", "created",
+    ]
     list_filter = ["admin", "active"]
     readonly_fields = ["key_prefix", "created"]
     search_fields = ["label"]

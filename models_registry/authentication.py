@@ -1,4 +1,9 @@
-"""Bearer-key authentication (spec §2): keys from the config, the environment and the database."""
+"""Bearer-key authentication (spec §2): keys from the config, the environment and the database.
+
+`check_authorization` is the one place a header becomes a principal. The accounting middleware
+(logs.middleware) calls it before the view, to apply the key's limits, and leaves the result on
+the request; DRF's `ApiKeyAuthentication` then reuses it instead of asking the database again.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,12 @@ import time
 from dataclasses import dataclass
 
 from django.conf import settings
+from django.http import HttpRequest
 from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.permissions import BasePermission
 
-from models_registry.models import ApiKey, hash_key
+from models_registry.models import ApiKey, hash_key, split_models
 
 MISSING = "Missing API key. Send it as `Authorization: Bearer <key>` (server.api_keys)."
 UNKNOWN = "Invalid API key. Check the key you sent in `Authorization: Bearer <key>`."
@@ -21,30 +27,53 @@ DB_KEYS_TTL_SECS = 2.0
 
 @dataclass(frozen=True)
 class ApiPrincipal:
+    """Who is calling: the key's label (never the key), its rights and its limits."""
+
     label: str
     admin: bool
     requests_per_minute: int | None = None
     max_concurrent: int | None = None
     tokens_per_day: int | None = None
+    # Model ids or aliases the key may use; empty = every model.
+    models: tuple[str, ...] = ()
+
+    @property
+    def limited(self) -> bool:
+        return bool(self.requests_per_minute or self.max_concurrent or self.tokens_per_day)
+
+    def may_use(self, model: str) -> bool:
+        """Whether the key may call `model` (an id or an alias, matched through the pool)."""
+        if not self.models:
+            return True
+        return bool(_model_names(model) & set().union(*(_model_names(m) for m in self.models)))
+
+
+def _model_names(name: str) -> set[str]:
+    """`name` with the id and aliases of the configured model it names, if any."""
+    for model in settings.HYPNOS.models:
+        if name in (model.id, *model.aliases):
+            return {model.id, *model.aliases}
+    return {name}
+
+
+def default_label(key: str) -> str:
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
 def _config_principals() -> list[tuple[str, ApiPrincipal]]:
     server = settings.HYPNOS.server
-    found = [
-        (key, ApiPrincipal(label="key-" + hashlib.sha256(key.encode()).hexdigest()[:8], admin=True))
-        for key in server.api_keys
-    ]
+    found = [(key, ApiPrincipal(label=default_label(key), admin=True)) for key in server.api_keys]
     for entry in server.keys:
-        label = entry.label or "key-" + hashlib.sha256(entry.key.encode()).hexdigest()[:8]
         found.append(
             (
                 entry.key,
                 ApiPrincipal(
-                    label=label,
+                    label=entry.label or default_label(entry.key),
                     admin=entry.admin,
                     requests_per_minute=entry.requests_per_minute,
                     max_concurrent=entry.max_concurrent,
                     tokens_per_day=entry.tokens_per_day,
+                    models=tuple(entry.models),
                 ),
             )
         )
@@ -101,20 +130,56 @@ def principal_for(key: str) -> ApiPrincipal | None:
         requests_per_minute=record.requests_per_minute,
         max_concurrent=record.max_concurrent,
         tokens_per_day=record.tokens_per_day,
+        models=split_models(record.allowed_models),
     )
+
+
+@dataclass(frozen=True)
+class KeyCheck:
+    """The outcome of one Authorization header: whether keys are required at all, and the
+    principal, or the 401 message when there is none."""
+
+    required: bool
+    principal: ApiPrincipal | None = None
+    problem: str | None = None
+
+    @property
+    def refused(self) -> bool:
+        return self.required and self.principal is None
+
+
+def check_authorization(header: str) -> KeyCheck:
+    """Resolve an Authorization header (reads the database: call it from a sync context)."""
+    if not keys_required():
+        return KeyCheck(required=False)
+    token = bearer_token(header)
+    if token is None:
+        return KeyCheck(required=True, problem=MISSING)
+    principal = principal_for(token)
+    if principal is None:
+        return KeyCheck(required=True, problem=UNKNOWN)
+    return KeyCheck(required=True, principal=principal)
+
+
+def request_key_check(request: HttpRequest) -> KeyCheck:
+    """The request's KeyCheck, computed once per request (sync context)."""
+    check = getattr(request, "hypnos_key_check", None)
+    if check is None:
+        check = check_authorization(request.META.get("HTTP_AUTHORIZATION", ""))
+        request.hypnos_key_check = check  # type: ignore[attr-defined]
+    return check
 
 
 class ApiKeyAuthentication(BaseAuthentication):
     def authenticate(self, request):  # type: ignore[no-untyped-def]
-        if not keys_required():
+        check = request_key_check(request._request)
+        if not check.required:
             return None
-        token = bearer_token(request.META.get("HTTP_AUTHORIZATION", ""))
-        if token is None:
-            raise exceptions.NotAuthenticated(MISSING)
-        principal = principal_for(token)
-        if principal is None:
-            raise exceptions.AuthenticationFailed(UNKNOWN)
-        return principal, principal
+        if check.principal is None:
+            if check.problem == MISSING:
+                raise exceptions.NotAuthenticated(MISSING)
+            raise exceptions.AuthenticationFailed(check.problem)
+        return check.principal, check.principal
 
     def authenticate_header(self, request) -> str:  # type: ignore[no-untyped-def]
         return 'Bearer realm="hypnos"'

@@ -14,6 +14,11 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def split_models(value: str) -> tuple[str, ...]:
+    """The model names of a comma-separated list, blanks dropped."""
+    return tuple(name.strip() for name in value.split(",") if name.strip())
+
+
 class ApiKey(models.Model):
     label = models.CharField(max_length=100, unique=True)
     key_hash = models.CharField(max_length=64, unique=True, editable=False)
@@ -22,8 +27,18 @@ class ApiKey(models.Model):
     admin = models.BooleanField(default=False, help_text="May change the model pool.")
     active = models.BooleanField(default=True)
     requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
-    max_concurrent = models.PositiveIntegerField(null=True, blank=True)
-    tokens_per_day = models.PositiveIntegerField(null=True, blank=True)
+    max_concurrent = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Calls in flight at once; a stream counts until its last byte."
+    )
+    tokens_per_day = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Prompt plus completion tokens per UTC day."
+    )
+    allowed_models = models.CharField(
+        max_length=1000,
+        blank=True,
+        default="",
+        help_text="Comma-separated model ids or aliases this key may use; blank = every model.",
+    )
     created = models.DateTimeField(auto_now_add=True)
 
     class Meta:

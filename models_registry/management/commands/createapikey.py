@@ -14,8 +14,9 @@ class Command(BaseCommand):
         parser.add_argument("--requests-per-minute", type=int)
         parser.add_argument("--max-concurrent", type=int)
         parser.add_argument("--tokens-per-day", type=int)
+        parser.add_argument("--models", default="", help="comma-separated model ids or aliases; default: every model")
 
-    def handle(self, label, admin, requests_per_minute, max_concurrent, tokens_per_day, **_):  # type: ignore[no-untyped-def]
+    def handle(self, label, admin, requests_per_minute, max_concurrent, tokens_per_day, models, **_):  # type: ignore[no-untyped-def]
         if ApiKey.objects.filter(label=label).exists():
             raise CommandError(f"a key labelled {label!r} exists already")
         _, key = ApiKey.create_key(
@@ -24,5 +25,6 @@ class Command(BaseCommand):
             requests_per_minute=requests_per_minute,
             max_concurrent=max_concurrent,
             tokens_per_day=tokens_per_day,
+            allowed_models=models,
         )
         self.stdout.write(key)

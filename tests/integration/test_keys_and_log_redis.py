@@ -1,0 +1,133 @@
+"""The distributed deployment's shared state against a real Redis: quota decisions and metric
+counters of several web processes (each one its own connections, as separate processes have),
+and the views switching to it when `deployment = "distributed"`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from hypnos_site.config import KeyConfig
+from hypnos_site.metrics import RedisCounters, get_counters, observation
+from inference.errors import RateLimited
+from logs.store import levels
+from models_registry.authentication import ApiPrincipal
+from models_registry.quotas import Permit, RedisQuotas, get_quotas, secs_to_midnight
+from models_registry.shared_state import LoopRedis
+from tests.conftest import PARIS_MESSAGES
+from tests.e2e.conftest import REDIS_URL, require_service
+from tests.integration.conftest import post_json, read_sse, with_server
+
+pytestmark = pytest.mark.django_db(transaction=True)
+URL = "/v1/chat/completions"
+CHAT = {"model": "smollm2-135m", "messages": PARIS_MESSAGES, "max_tokens": 2}
+
+
+@pytest.fixture
+def shared(settings: Any, worker: Any, use_worker: Any) -> Iterator[str]:
+    """This test's server runs distributed on the real Redis, under a prefix of its own."""
+    require_service("Redis", lambda: redis.Redis.from_url(REDIS_URL, socket_timeout=2).ping())
+    prefix = "hypnos-test-" + uuid.uuid4().hex[:8]
+    use_worker(worker)  # the views keep the in-process worker; only the shared state moves to Redis
+    with_server(settings, deployment="distributed", redis_url=REDIS_URL, channel_prefix=prefix)
+    yield prefix
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(f"{prefix}:*"):
+        client.delete(key)
+
+
+def web_processes(n: int) -> list[RedisQuotas]:
+    """`n` quota backends with separate connections, as `n` web processes have."""
+    return [RedisQuotas(LoopRedis(REDIS_URL)) for _ in range(n)]
+
+
+async def admit_all(backends: list[RedisQuotas], principal: ApiPrincipal, calls: int) -> list[Permit | RateLimited]:
+    async def one(i: int) -> Permit | RateLimited:
+        try:
+            return await backends[i % len(backends)].admit(principal)
+        except RateLimited as exc:
+            return exc
+
+    return list(await asyncio.gather(*[one(i) for i in range(calls)]))
+
+
+async def test_two_processes_admit_exactly_max_concurrent(shared):
+    principal = ApiPrincipal(label="pair", admin=False, max_concurrent=3)
+    a, b = web_processes(2)
+    outcomes = await admit_all([a, b], principal, 20)
+    permits = [o for o in outcomes if isinstance(o, Permit)]
+    assert len(permits) == 3
+    assert {o.code for o in outcomes if isinstance(o, RateLimited)} == {"max_concurrent"}
+    await b.release(permits[0])
+    assert isinstance(await a.admit(principal), Permit)
+    with pytest.raises(RateLimited):
+        await b.admit(principal)
+
+
+async def test_requests_per_minute_is_exact_across_processes(shared):
+    principal = ApiPrincipal(label="minute", admin=False, requests_per_minute=5)
+    outcomes = await admit_all(web_processes(2), principal, 12)
+    refused = [o for o in outcomes if isinstance(o, RateLimited)]
+    assert len(refused) == 7
+    assert {r.code for r in refused} == {"requests_per_minute"}
+    assert all(1 <= r.retry_after_secs <= 60 for r in refused)
+
+
+async def test_tokens_charged_by_one_process_refuse_the_next_call_in_the_other(shared):
+    principal = ApiPrincipal(label="daily", admin=False, tokens_per_day=100)
+    a, b = web_processes(2)
+    await a.admit(principal)
+    await a.charge("daily", 60)
+    await b.admit(principal)
+    await b.charge("daily", 60)
+    with pytest.raises(RateLimited) as refused:
+        await a.admit(principal)
+    assert refused.value.code == "tokens_per_day"
+    assert abs(refused.value.retry_after_secs - secs_to_midnight(time.time())) <= 5
+    assert await b.tokens_today() == {"daily": 120}
+
+
+async def test_a_permit_whose_lease_ran_out_frees_its_slot(shared):
+    principal = ApiPrincipal(label="leased", admin=False, max_concurrent=1)
+    a, b = web_processes(2)
+    permit = await a.admit(principal)
+    await a.renew(permit, 0.05)  # as if its process had died right after
+    await asyncio.sleep(0.1)
+    assert isinstance(await b.admit(principal), Permit)
+
+
+async def test_the_counters_of_several_processes_add_up(shared):
+    a, b = RedisCounters(LoopRedis(REDIS_URL)), RedisCounters(LoopRedis(REDIS_URL))
+    await a.record([observation("hypnos_api_key_tokens", 40, key="k"),
+                    observation("hypnos_http_request_latency_ms_max", 12.5, route="/v1/x")])
+    await b.record([observation("hypnos_api_key_tokens", 2, key="k"),
+                    observation("hypnos_http_request_latency_ms_max", 3.0, route="/v1/x"),
+                    observation("hypnos_chat_ttft_ms", 30, model="m")])
+    snapshot = await a.snapshot()
+    assert snapshot == await b.snapshot()
+    assert snapshot["hypnos_api_key_tokens"][(("key", "k"),)] == {"value": 42.0}
+    assert snapshot["hypnos_http_request_latency_ms_max"][(("route", "/v1/x"),)] == {"value": 12.5}
+    assert snapshot["hypnos_chat_ttft_ms"][(("model", "m"),)] == {"count": 1.0, "sum": 30.0}
+
+
+async def test_the_views_use_redis_when_distributed(api, settings, shared):
+    with_server(settings, keys=[KeyConfig(key="sk-one", label="one", max_concurrent=1)])
+    assert isinstance(get_quotas(), RedisQuotas) and isinstance(get_counters(), RedisCounters)
+    stream = await post_json(api, URL, CHAT | {"stream": True}, authorization="Bearer sk-one")
+    refused = await post_json(api, URL, CHAT, authorization="Bearer sk-one")
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "max_concurrent"
+    usage = (await read_sse(stream))[-2]["usage"]
+    assert (await post_json(api, URL, CHAT, authorization="Bearer sk-one")).status_code == 200
+    assert (await get_quotas().tokens_today())["one"] > usage["total_tokens"]
+    counted = redis.Redis.from_url(REDIS_URL, decode_responses=True).hgetall(f"{shared}:metrics:sums")
+    assert counted['["hypnos_api_key_rejections","value",[["key","one"]]]'] == "1"
+    # The level lives in Redis too: every web process captures at the level set last.
+    await post_json(api, "/v1/logs/level", {"level": "debug"}, authorization="Bearer sk-one")
+    assert redis.Redis.from_url(REDIS_URL, decode_responses=True).get(f"{shared}:logs:level") == "debug"
+    assert await levels.get() == "debug"

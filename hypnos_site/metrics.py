@@ -64,9 +64,6 @@ WEB_FAMILIES: dict[str, Family] = {
     "hypnos_api_key_tokens": Family("counter", "Prompt plus completion tokens charged to the key.", ("key",)),
     "hypnos_scheduler_admissions_rejected": Family(
         "counter", "Inference calls the scheduler refused (429 model_busy, 503 deadline_unmeetable)."),
-    "hypnos_scheduler_evictions": Family("counter", "Models evicted to make room for an inference call."),
-    "hypnos_model_evictions": Family("counter", "Evictions of the model to make room for an inference call.",
-                                     ("model",)),
     "hypnos_chat_ttft_ms": Family("summary", "Time to the first token of chat calls, ms.", ("model",)),
     "hypnos_chat_decode_tokens_per_s": Family("summary", "Decode speed of chat calls, tokens/s.", ("model",)),
     "hypnos_chat_prefill_tokens_per_s": Family("summary", "Prefill speed of chat calls, tokens/s.", ("model",)),
@@ -233,6 +230,7 @@ def worker_families(status: dict[str, Any] | None) -> list[Metric]:
         "hypnos_model_active_leases": ("gauge", "Requests holding the model where it is."),
         "hypnos_model_requests": ("counter", "Requests the model has served."),
         "hypnos_model_loads": ("counter", "Loads of the model into tier 1."),
+        "hypnos_model_load_failures": ("counter", "Loads of the model that failed."),
         "hypnos_model_requests_per_minute": ("gauge", "The model's decayed request rate (eviction weighs it)."),
     }
     made = {name: (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, text, labels=["model"])
@@ -244,9 +242,14 @@ def worker_families(status: dict[str, Any] | None) -> list[Metric]:
         made["hypnos_model_active_leases"].add_metric(row, model.get("active_leases", 0))
         made["hypnos_model_requests"].add_metric(row, model.get("total_requests_served", 0))
         made["hypnos_model_loads"].add_metric(row, model.get("loads", 0))
+        made["hypnos_model_load_failures"].add_metric(row, model.get("load_failures", 0))
         made["hypnos_model_requests_per_minute"].add_metric(row, model.get("requests_per_minute", 0.0))
     promotions = CounterMetricFamily("hypnos_scheduler_promotions", "Loads of any model into tier 1.")
     promotions.add_metric([], sum(m.get("loads", 0) for m in status.get("models", [])))
+    failures = CounterMetricFamily("hypnos_scheduler_load_failures", "Failed loads of any model.")
+    failures.add_metric([], sum(m.get("load_failures", 0) for m in status.get("models", [])))
+    evictions = CounterMetricFamily("hypnos_scheduler_evictions", "Models the worker evicted, for any reason.")
+    evictions.add_metric([], status.get("evictions_total", 0))
     capabilities = status.get("capabilities", {})
     vram = GaugeMetricFamily("hypnos_vram_bytes", "Tier 1 bytes: budget, booked (used), free, and what the device "
                              "reports (real_free, real_total, unaccounted, effective_free).", labels=["kind"])
@@ -266,7 +269,7 @@ def worker_families(status: dict[str, Any] | None) -> list[Metric]:
             ram.add_metric([kind], value)
     process = GaugeMetricFamily("hypnos_worker_process_memory_bytes", "Resident memory of the inference worker.")
     process.add_metric([], status.get("process_memory_bytes") or 0)
-    families: list[Metric] = [up, *made.values(), promotions, vram, ram, process]
+    families: list[Metric] = [up, *made.values(), promotions, failures, evictions, vram, ram, process]
     for name, value in sorted((status.get("gpu") or {}).items()):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             gauge = GaugeMetricFamily(f"hypnos_gpu_{name}", f"GPU {name.replace('_', ' ')} (NVML).")

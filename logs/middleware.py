@@ -200,10 +200,6 @@ class InferenceCallAccount:
                 found.append(observation("hypnos_api_key_tokens", tokens, key=key))
         if self.reading.error_type in SCHEDULER_REFUSALS:
             found.append(observation("hypnos_scheduler_admissions_rejected", 1))
-        telemetry = self.reading.telemetry or {}
-        for evicted in telemetry.get("evicted_models") or []:
-            found.append(observation("hypnos_scheduler_evictions", 1))
-            found.append(observation("hypnos_model_evictions", 1, model=str(evicted)))
         engine = self.reading.engine()
         if self.route == "/v1/chat/completions" and self.model_id:
             for name, field in [("hypnos_chat_ttft_ms", "ttft_ms"),

@@ -60,6 +60,7 @@ class ModelRuntime:
     slots: threading.BoundedSemaphore = field(init=False)
     admitted: int = 0
     loads: int = 0
+    load_failures: int = 0
     problem: str | None = None
     # Average time a request holds the model (moving average), once measured.
     service_ms: float | None = None
@@ -125,6 +126,8 @@ class Worker:
         self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="hypnos-infer")
         self._staged = threading.Event()
         self.started_at = time.time()
+        # Cumulative, for /metrics: evictions of any kind (requests, moves, OOM, max_loaded_models).
+        self.evictions_total = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -440,6 +443,7 @@ class Worker:
                 switch.phases = engine.load(wanted, placement.gpu_layers)
                 self._restore_parked(model_id, engine, switch.phases)
             except BaseException:
+                runtime.load_failures += 1
                 self.tiers.commit(model_id, MemoryTier.TIER2 if engine.warm_bytes else MemoryTier.TIER3)
                 raise
             runtime.loads += 1
@@ -483,6 +487,7 @@ class Worker:
         assert engine is not None
         self._demote(eviction.model, engine, eviction.to_tier)
         self.tiers.record_eviction(eviction, for_model)
+        self.evictions_total += 1
         log.info("evicted %s to %s for %s (%s)", eviction.model, eviction.to_tier, for_model, eviction.reason)
 
     def _evict_idle(self, for_model: str, reason: str) -> list[str]:
@@ -570,6 +575,7 @@ class Worker:
                 "moe_offload": "off",
                 "expert_bytes": 0,
                 "loads": runtime.loads,
+                "load_failures": runtime.load_failures,
                 "service_ms": round(runtime.service_ms, 1) if runtime.service_ms is not None else None,
                 "estimated_wait_ms": self.estimated_wait_ms(runtime),
             }
@@ -597,4 +603,5 @@ class Worker:
             "models": models,
             "recent_evictions": list(self.tiers.recent_evictions),
             "kv_park": self.kv_parking.status(),
+            "evictions_total": self.evictions_total,
         }

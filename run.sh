@@ -68,6 +68,8 @@ setup_models() {
   fi
   step "placing model files under models_dir"
   "$VENV/bin/python" manage.py installmodels
+  step "converting the models that come as Hugging Face folders to GGUF (once)"
+  "$VENV/bin/python" manage.py convertmodels
 }
 
 setup() {

@@ -18,4 +18,9 @@ if settings.HYPNOS.server.deployment == "embedded":
 
     get_embedded_worker()
 
-application = django_application
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+
+from inference.realtime import websocket_urlpatterns  # noqa: E402
+
+# WS /v1/realtime (realtime transcription) beside every HTTP route.
+application = ProtocolTypeRouter({"http": django_application, "websocket": URLRouter(websocket_urlpatterns)})

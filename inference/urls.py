@@ -15,5 +15,8 @@ urlpatterns = [
     path("memory/status", views.MemoryStatusView.as_view()),
     path("memory/tier", views.MemoryTierView.as_view()),
     path("memory/kv-park", views.KvParkView.as_view()),
+    path("embeddings", views.EmbeddingsView.as_view()),
+    path("audio/transcriptions", views.AudioTranscriptionsView.as_view()),
+    path("audio/speech", views.AudioSpeechView.as_view()),
     re_path(r"^.*$", views.UnknownRouteView.as_view()),
 ]

@@ -24,6 +24,9 @@ from inference.protocol import (
 )
 from inference.serving import chat, completions, lemonade, models, responses
 from inference.serving.context import RequestContext
+from inference.protocol_media import EmbeddingRequest, SpeechRequest
+from inference.serving import audio, embeddings
+from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from models_registry.authentication import IsAdminKey
 
 STARTED_AT = time.time()
@@ -90,6 +93,35 @@ class ResponsesView(APIView):
     async def post(self, request: Request) -> object:
         body = parse_body(ResponsesRequest, request.data)
         return await responses.create_response(get_client(), body, RequestContext.of(request._request))
+
+
+class EmbeddingsView(APIView):
+    async def post(self, request: Request) -> object:
+        body = parse_body(EmbeddingRequest, request.data)
+        return await embeddings.create_embeddings(get_client(), body, RequestContext.of(request._request))
+
+
+class _AnyAccept:
+    """Answers in the route's own media type whatever the Accept header asks (the SDKs ask for
+    application/octet-stream on speech, text/plain on text transcripts)."""
+
+    def perform_content_negotiation(self, request: Request, force: bool = False) -> object:
+        return super().perform_content_negotiation(request, force=True)  # type: ignore[misc]
+
+
+class AudioTranscriptionsView(_AnyAccept, APIView):
+    # Multipart is what the OpenAI SDKs send; JSON with audio_bytes is accepted too (spec §9).
+    parser_classes = [MultiPartParser, FormParser, JSONParser]
+
+    async def post(self, request: Request) -> object:
+        body, audio_data = audio.transcription_request(request.data)
+        return await audio.create_transcription(get_client(), body, audio_data, RequestContext.of(request._request))
+
+
+class AudioSpeechView(_AnyAccept, APIView):
+    async def post(self, request: Request) -> object:
+        body = parse_body(SpeechRequest, request.data)
+        return await audio.create_speech(get_client(), body, RequestContext.of(request._request))
 
 
 class LemonadeHealthView(APIView):

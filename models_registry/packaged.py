@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 from hypnos_site.config import HypnosConfig, ModelConfig
@@ -36,6 +37,11 @@ def package_files(model: ModelConfig) -> list[Path]:
             parts.append(found[0])
         return parts
     root = _package_root(model.id, model.package)
+    if model.package_path:
+        source = root / model.package_path
+        if not source.exists():
+            raise PackageMissing(f"{model.id}: {model.package_path} is not inside {root}")
+        return [source]
     name = Path(model.weights_path).name
     found = sorted(root.rglob(name))
     if not found:
@@ -66,10 +72,58 @@ def place(sources: list[Path], dest: Path, sha256: str | None = None) -> bool:
     return True
 
 
+def place_folder(source: Path, dest: Path) -> bool:
+    """Copy the folder `source` to `dest` unless a folder with the same files (names and sizes)
+    is there; True when it wrote. Written beside, then renamed into place."""
+    wanted = {p.relative_to(source): p.stat().st_size for p in source.rglob("*") if p.is_file()}
+    if dest.is_dir():
+        have = {p.relative_to(dest): p.stat().st_size for p in dest.rglob("*") if p.is_file()}
+        if have == wanted:
+            return False
+    tmp = dest.with_name(dest.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+    return True
+
+
+def needs_conversion(model: ModelConfig) -> bool:
+    """A Hugging Face model folder to be served as GGUF: `manage.py convertmodels` writes it."""
+    return bool(model.package and model.package_path and model.weights_path.endswith(".gguf"))
+
+
+def convert_packaged_models(config: HypnosConfig) -> list[tuple[str, Path, bool]]:
+    """Convert the models that come as Hugging Face folders to their GGUF weights_path, once."""
+    from models_registry.hf_to_gguf import ConversionError, convert_bert, is_hf_bert_folder
+
+    converted = []
+    for model in config.models:
+        if not needs_conversion(model):
+            continue
+        dest = config.weights_file(model)
+        if dest.exists():
+            converted.append((model.id, dest, False))
+            continue
+        (source,) = package_files(model)
+        if not is_hf_bert_folder(source):
+            raise PackageMissing(f"{model.id}: {source} is not a BERT model folder with safetensors")
+        try:
+            convert_bert(source, dest, name=model.id)
+        except ConversionError as exc:
+            raise PackageMissing(str(exc)) from exc
+        converted.append((model.id, dest, True))
+    return converted
+
+
 def install_packaged_models(config: HypnosConfig) -> list[tuple[str, Path, bool]]:
     placed = []
     for model in config.models:
-        if model.package:
+        if model.package and not needs_conversion(model):
             dest = config.weights_file(model)
-            placed.append((model.id, dest, place(package_files(model), dest, model.sha256)))
+            sources = package_files(model)
+            if sources[0].is_dir():
+                placed.append((model.id, dest, place_folder(sources[0], dest)))
+            else:
+                placed.append((model.id, dest, place(sources, dest, model.sha256)))
     return placed

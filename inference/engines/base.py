@@ -185,6 +185,22 @@ class Engine(ABC):
     def chat(self, work: ChatWork, cancel: threading.Event, on_delta: DeltaSink) -> ChatResult:
         raise NotImplementedError(f"{type(self).__name__} does not serve chat completions")
 
+    # Media modalities (inference/worker/media.py drives them; inference/engines/audio.py
+    # decodes, resamples and encodes around them).
+
+    def embed(self, texts: list[str], cancel: threading.Event) -> tuple[list[Any], int]:
+        """One normalized float32 vector per text, each evaluated alone (so a batch gives exactly
+        the vectors of single calls), and the prompt tokens they took."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve embeddings")
+
+    def transcribe(self, samples: Any, options: dict[str, Any], cancel: threading.Event) -> dict[str, Any]:
+        """Mono float32 samples at 16 kHz -> `text`, `language` and `segments` (with times)."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve speech-to-text")
+
+    def synthesize(self, text: str, voice: str, speed: float) -> tuple[Any, int]:
+        """One phrase -> mono float32 samples in [-1, 1] and their sample rate."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve text-to-speech")
+
 
 def drop_page_cache(path: Path) -> None:
     """Ask the kernel to forget the file's cached pages (clean, unmapped pages go at once)."""
@@ -225,13 +241,21 @@ class WarmCopy:
             self.fd = -1
 
 
-ENGINE_CLASSES = {"ggml_llama": "inference.engines.llama.LlamaEngine"}
+ENGINE_CLASSES = {
+    "ggml_llama": "inference.engines.llama.LlamaEngine",
+    # "<kind>:<modality>" wins over "<kind>" for models of that modality.
+    "ggml_llama:embeddings": "inference.engines.embedding.LlamaEmbeddingEngine",
+    # Whisper through faster-whisper (CTranslate2); the spec's kind for Whisper models.
+    "ggml_whisper": "inference.engines.whisper.WhisperEngine",
+    # Speech voices in ONNX (Piper here; Kokoro on a GPU box).
+    "onnx_runtime": "inference.engines.speech.OnnxSpeechEngine",
+}
 
 
-def engine_class(kind: str) -> type[Engine]:
+def engine_class(kind: str, modality: str | None = None) -> type[Engine]:
     """The engine class for a model block's `engine`, imported on first use (worker only)."""
     try:
-        dotted = ENGINE_CLASSES[kind]
+        dotted = ENGINE_CLASSES.get(f"{kind}:{modality}") or ENGINE_CLASSES[kind]
     except KeyError:
         raise NotImplementedError(f"engine {kind!r} is not available in this build") from None
     module, _, name = dotted.rpartition(".")

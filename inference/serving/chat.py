@@ -88,11 +88,16 @@ def chat_payload(body: ChatCompletionRequest) -> dict[str, Any]:
 
 
 async def create_chat_completion(client: InferenceClient, body: ChatCompletionRequest, ctx: RequestContext) -> HttpResponse:
-    payload = chat_payload(body)
+    from inference.serving import voice
+
     timeout = settings.HYPNOS.limits.request_timeout_secs
     completion_id = "chatcmpl-" + uuid.uuid4().hex
     try:
+        # input_audio on a chat model that hears through a speech_to_text model: transcribe first.
+        body, stages = await asyncio.wait_for(voice.transcribe_audio_parts(client, body, ctx), timeout)
+        payload = chat_payload(body)
         call, _started = await asyncio.wait_for(start_call(client, body.model, payload, ctx), timeout)
+        call = voice.reporting(call, stages, find_model(body.model).id)
         if body.stream:
             return with_wait_estimate(sse_response(_chat_sse(call, _ChunkMaker(completion_id, body.model), body.logprobs)), call)
         return with_wait_estimate(JsonResponse(await asyncio.wait_for(_chat_json(call, completion_id, body), timeout)), call)

@@ -34,6 +34,7 @@ from inference.errors import (
     ProcessMemoryCap,
     ServerError,
 )
+from inference.worker.media import MEDIA_OPS, MediaWork, media_work, serve_media
 from memory.device import HardwareLimits, probe_device, process_memory_bytes
 from memory.kv_park import KvParking
 from memory.manager import Eviction, NoRoom, TierManager
@@ -210,13 +211,17 @@ class Worker:
             if not self.ready:
                 raise ModelNotAvailable(STILL_STAGING)
             runtime = self.resolve(request["model"])
-            if request["op"] != "chat" or runtime.config.modality != "text_generation":
-                raise InvalidRequest(
-                    f"The model {runtime.config.id!r} serves {runtime.config.modality}, not chat completions.",
-                    param="model",
-                )
-            work = ChatWork(**request["payload"])
-            self._check_capabilities(runtime, work)
+            work: ChatWork | MediaWork
+            if request["op"] in MEDIA_OPS:
+                work = media_work(runtime.config, request["op"], request["payload"])
+            else:
+                if request["op"] != "chat" or runtime.config.modality != "text_generation":
+                    raise InvalidRequest(
+                        f"The model {runtime.config.id!r} serves {runtime.config.modality}, not chat completions.",
+                        param="model",
+                    )
+                work = ChatWork(**request["payload"])
+                self._check_capabilities(runtime, work)
             estimate = self._admit(runtime, request.get("deadline_ms"))
         except HypnosError as exc:
             sink(exc.as_event())
@@ -317,7 +322,8 @@ class Worker:
             wait += entry.reload_estimate_ms(entry.tier)
         return round(wait, 1)
 
-    def _run(self, runtime: ModelRuntime, request_id: str, work: ChatWork, cancel: threading.Event, sink: Sink) -> None:
+    def _run(self, runtime: ModelRuntime, request_id: str, work: ChatWork | MediaWork, cancel: threading.Event,
+             sink: Sink) -> None:
         arrived = time.perf_counter()
         holding_slot = leased = False
         final: Event | None = None
@@ -331,7 +337,10 @@ class Worker:
                 self.tiers.lease(runtime.config.id)
                 leased = True
             queue_ms = (time.perf_counter() - arrived) * 1000
-            final = self._serve_chat(runtime, engine, work, cancel, sink, queue_ms)
+            if isinstance(work, MediaWork):
+                final = serve_media(self, runtime, engine, work, cancel, sink, queue_ms)
+            else:
+                final = self._serve_chat(runtime, engine, work, cancel, sink, queue_ms)
             runtime.note_service((time.perf_counter() - arrived) * 1000 - queue_ms)
         except HypnosError as exc:
             final = exc.as_event()
@@ -403,7 +412,7 @@ class Worker:
         if runtime.engine is not None:
             return runtime.engine
         try:
-            cls = engine_class(runtime.config.engine)
+            cls = engine_class(runtime.config.engine, runtime.config.modality)
         except NotImplementedError as exc:
             raise ModelNotAvailable(str(exc)) from exc
         weights = self.config.weights_file(runtime.config)
@@ -570,7 +579,8 @@ class Worker:
                 "id": model_id,
                 "enabled": runtime.enabled,
                 "modality": config.modality,
-                "modalities": [config.modality],
+                # A chat model hears input_audio through its speech_to_text_model (spec §7.1).
+                "modalities": [config.modality, *(["speech_to_text"] if config.speech_to_text_model else [])],
                 "engine": config.engine,
                 "moe_offload": "off",
                 "expert_bytes": 0,

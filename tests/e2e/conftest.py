@@ -67,6 +67,7 @@ def write_config(directory: Path, ack_timeout_secs: float = 5.0) -> Path:
     suite = load_config({"HYPNOS_CONFIG": str(BASE_DIR / "tests" / "hypnos.test.toml")})
     weights = suite.weights_file(suite.models[0])
     tool_model = suite.weights_file(suite.models[2])
+    media = {m.id: suite.weights_file(m) for m in suite.models if m.modality != "text_generation"}
     path = directory / "hypnos.toml"
     path.write_text(
         f"""
@@ -93,6 +94,31 @@ weights_path = "{tool_model}"
 context_len = 4096
 tool_router = true
 initial_tier = "tier3_nvme_ssd"
+
+[[models]]
+id = "all-minilm-l6-v2"
+modality = "embeddings"
+engine = "ggml_llama"
+weights_path = "{media['all-minilm-l6-v2']}"
+context_len = 512
+initial_tier = "tier3_nvme_ssd"
+aliases = ["text-embedding-3-small"]
+
+[[models]]
+id = "whisper-tiny.en"
+modality = "speech_to_text"
+engine = "ggml_whisper"
+weights_path = "{media['whisper-tiny.en']}"
+initial_tier = "tier3_nvme_ssd"
+aliases = ["whisper-1"]
+
+[[models]]
+id = "piper-joe"
+modality = "text_to_speech"
+engine = "onnx_runtime"
+weights_path = "{media['piper-joe']}"
+initial_tier = "tier3_nvme_ssd"
+aliases = ["tts-1"]
 """
     )
     return path

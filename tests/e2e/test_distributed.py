@@ -89,8 +89,10 @@ def test_memory_status_and_tier_moves_cross_the_channel_layer(distributed: Serve
     model = status["models"][0]
     assert model["id"] == "smollm2-135m" and model["current_tier"] == "tier1_gpu_vram"
     assert status["models"][1]["current_tier"] == "tier3_nvme_ssd"
-    assert status["tier1_vram_used_bytes"] == (
-        model["placement"]["vram_weight_bytes"] + model["placement"]["vram_kv_and_workspace_bytes"])
+    # The session's server may hold other models in tier 1 by now (the audio and embedding tests).
+    resident = [m["placement"] for m in status["models"] if m["current_tier"] == "tier1_gpu_vram"]
+    assert status["tier1_vram_used_bytes"] == sum(
+        p["vram_weight_bytes"] + p["vram_kv_and_workspace_bytes"] for p in resident)
     moved = httpx.post(f"{base}/v1/memory/tier", json={"model": "smollm2-135m", "target_tier": "tier2_pinned_ram"},
                        timeout=60)
     assert moved.status_code == 200 and moved.json()["placement"]["primary_tier"] == "tier2_pinned_ram"

@@ -181,7 +181,8 @@ async def test_models_lists_the_pool_with_its_tier(api):
     response = await api.get("/v1/models")
     body = response.json()
     assert body["object"] == "list"
-    assert [m["id"] for m in body["data"]] == [MODEL, "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+    assert [m["id"] for m in body["data"]] == [MODEL, "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b",
+                                               "all-minilm-l6-v2", "whisper-tiny.en", "piper-joe"]
     model = body["data"][0]
     assert model["id"] == MODEL and model["object"] == "model" and model["owned_by"] == "hypnos"
     assert model["modality"] == "text_generation"

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from hypnos_site.config import ConfigError, load_config
+from hypnos_site.config import DEFAULT_MODELS, ConfigError, load_config
 
 
 def write(tmp_path: Path, text: str) -> dict[str, str]:
@@ -59,4 +59,6 @@ def test_the_example_config_is_valid():
     example = Path(__file__).resolve().parents[2] / "hypnos.example.toml"
     config = load_config({"HYPNOS_CONFIG": str(example)})
     assert config.server.port == 9999
-    assert [m.id for m in config.models] == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+    assert [m.id for m in config.models] == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b",
+                                             "all-minilm-l6-v2", "whisper-tiny.en", "piper-joe"]
+    assert config.models == DEFAULT_MODELS

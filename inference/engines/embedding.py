@@ -1,0 +1,66 @@
+"""Sentence embeddings from a GGUF encoder (BERT family) through llama-cpp-python.
+
+The model moves through the tiers exactly like a chat model (the same warm copy, footprint from
+the GGUF header, load and cool); only the context is created in embedding mode."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import llama_cpp
+import numpy as np
+
+from inference.engines.base import LoadPhases
+from inference.engines.llama import LlamaEngine, _TimedContext
+from inference.errors import Cancelled, ContextLengthExceeded, ModelNotAvailable
+
+
+class LlamaEmbeddingEngine(LlamaEngine):
+    """A GGUF embedding model (mean or CLS pooling, as its GGUF says); vectors L2-normalized."""
+
+    def load(self, context_len: int, gpu_layers: int) -> LoadPhases:
+        started = time.perf_counter()
+        mode = "mmap" if self._warm is not None else "read"
+        self.warm()
+        assert self._warm is not None
+        try:
+            # An encoder sees a whole input in one batch: the batch is the context.
+            llm = llama_cpp.Llama(
+                model_path=self._warm.path,
+                embedding=True,
+                n_ctx=context_len,
+                n_batch=context_len,
+                n_ubatch=context_len,
+                n_threads=self.n_threads,
+                n_threads_batch=self.n_threads,
+                n_gpu_layers=gpu_layers,
+                verbose=False,
+            )
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise ModelNotAvailable(f"model {self.model.id!r} could not be loaded from {self.weights}: {exc}") from exc
+        context_ms = getattr(_TimedContext.timing, "ms", 0.0)
+        self._llm = llm
+        total_ms = (time.perf_counter() - started) * 1000
+        return LoadPhases(load_mode=mode, weights_ms=total_ms - context_ms, context_ms=context_ms, total_ms=total_ms)
+
+    def embed(self, texts: list[str], cancel: threading.Event) -> tuple[list[np.ndarray], int]:
+        llm = self._llm
+        assert llm is not None, "embed on an unloaded engine"
+        counts = [len(llm.tokenize(text.encode("utf-8"))) for text in texts]
+        n_ctx = llm.n_ctx()
+        for index, count in enumerate(counts):
+            if count > n_ctx:
+                raise ContextLengthExceeded(
+                    f"Input {index} is {count} tokens but the model's context is {n_ctx} tokens.", param="input"
+                )
+        vectors = []
+        for text in texts:
+            if cancel.is_set():
+                raise Cancelled("the request was cancelled")
+            # One evaluation per input: a batch gives bit for bit the vectors of single calls
+            # (evaluated together, the matrix kernels' blocking changes the last bits).
+            vector = np.asarray(llm.embed(text, normalize=False, truncate=False), dtype=np.float64)
+            norm = np.linalg.norm(vector)
+            vectors.append((vector / norm if norm > 0 else vector).astype(np.float32))
+        return vectors, sum(counts)

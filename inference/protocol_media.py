@@ -1,0 +1,68 @@
+"""Wire models of the embeddings and audio routes, named like OpenAI's (spec §8-§10, compat.md)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from inference.errors import InvalidRequest
+from inference.protocol import _Wire
+
+# What /v1/audio/speech answers in; compat.md: all really encoded, anything else is a 400.
+SPEECH_FORMATS = ("wav", "pcm", "mp3", "opus", "aac", "flac")
+TRANSCRIPTION_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+
+
+class EmbeddingRequest(_Wire):
+    model: str = Field(min_length=1)
+    input: str | list[str]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+
+    def texts(self) -> list[str]:
+        texts = [self.input] if isinstance(self.input, str) else self.input
+        if not texts:
+            raise InvalidRequest("input must not be empty", param="input")
+        for index, text in enumerate(texts):
+            if not text:
+                raise InvalidRequest(f"input[{index}] is an empty string", param="input")
+        return texts
+
+
+class SpeechRequest(_Wire):
+    model: str = Field(min_length=1)
+    input: str = Field(min_length=1)
+    voice: str = "alloy"
+    response_format: str = "wav"
+    speed: float = Field(default=1.0, ge=0.25, le=4.0)
+    stream: bool = False
+    language: str = "en"
+    instructions: str | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        if value not in SPEECH_FORMATS:
+            raise ValueError(f"must be one of {', '.join(SPEECH_FORMATS)}")
+        return value
+
+
+class TranscriptionRequest(_Wire):
+    """The fields of POST /v1/audio/transcriptions once the upload is read (multipart or JSON)."""
+
+    model: str = Field(min_length=1)
+    language: str | None = None
+    prompt: str | None = None
+    response_format: str = "json"
+    temperature: float = Field(default=0.0, ge=0, le=1)
+    timestamp_granularities: list[Literal["word", "segment"]] = []
+    filename: str | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        if value not in TRANSCRIPTION_FORMATS:
+            raise ValueError(f"must be one of {', '.join(TRANSCRIPTION_FORMATS)}")
+        return value

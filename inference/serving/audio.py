@@ -1,0 +1,267 @@
+"""POST /v1/audio/transcriptions and POST /v1/audio/speech (spec §9, §10, compat.md).
+
+Uploads reach the worker inline (base64) when small, else through a spool file the worker
+reads and removes (the channel layer caps a message near 1 MB; web and worker share the
+machine's `data_dir`). Speech comes back as audio events, sent on as they arrive."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from django.conf import settings
+from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
+
+from inference.client import Event, InferenceCall, InferenceClient
+from inference.errors import HypnosError, InvalidRequest, ServerError
+from inference.protocol import parse_body
+from inference.protocol_media import SpeechRequest, TranscriptionRequest
+from inference.serving.chat import check_prompt_chars, find_model, request_timed_out
+from inference.serving.context import RequestContext, with_wait_estimate
+
+INLINE_AUDIO_BYTES = 512 << 10
+CONTENT_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "mp3": "audio/mpeg", "opus": "audio/ogg",
+                 "aac": "audio/aac", "flac": "audio/flac"}
+# verbose_json names the language as Whisper does; other codes are passed through.
+LANGUAGE_NAMES = {"en": "english", "de": "german", "fr": "french", "es": "spanish", "it": "italian",
+                  "pt": "portuguese", "nl": "dutch", "ja": "japanese", "zh": "chinese", "ru": "russian"}
+
+
+# -- transcriptions ------------------------------------------------------------------------
+
+
+def transcription_request(data: Any) -> tuple[TranscriptionRequest, bytes]:
+    """The fields and the audio of a transcription: multipart (`file` and text parts, what the
+    OpenAI SDKs send) or JSON (`audio_bytes`, an array of byte values)."""
+    if isinstance(data, dict) and not hasattr(data, "getlist"):
+        fields = dict(data)
+        raw = fields.pop("audio_bytes", None)
+        if not isinstance(raw, list) or not all(isinstance(b, int) and 0 <= b <= 255 for b in raw):
+            raise InvalidRequest("audio_bytes must be an array of byte values (0-255)", param="audio_bytes")
+        return parse_body(TranscriptionRequest, fields), bytes(raw)
+    if not hasattr(data, "getlist"):
+        raise InvalidRequest("The request body must be multipart/form-data or a JSON object.")
+    upload = data.get("file")
+    if upload is None or not hasattr(upload, "read"):
+        raise InvalidRequest("The multipart body needs a `file` part with the audio.", param="file")
+    fields: dict[str, Any] = {k: data.get(k) for k in ("model", "language", "prompt", "response_format")
+                              if data.get(k) not in (None, "")}
+    fields["filename"] = getattr(upload, "name", None)
+    fields["timestamp_granularities"] = data.getlist("timestamp_granularities[]") or data.getlist(
+        "timestamp_granularities")
+    if data.get("temperature") not in (None, ""):
+        try:
+            fields["temperature"] = float(data.get("temperature"))
+        except ValueError:
+            raise InvalidRequest("temperature must be a number", param="temperature") from None
+    limit = settings.HYPNOS.limits.max_audio_bytes
+    if upload.size > limit:
+        raise InvalidRequest(f"The audio is {upload.size} bytes, above limits.max_audio_bytes ({limit}).", param="file")
+    return parse_body(TranscriptionRequest, fields), upload.read()
+
+
+def audio_payload(audio: bytes, request_id: str) -> dict[str, Any]:
+    """The upload for the worker: inline when small, else a spool file."""
+    limit = settings.HYPNOS.limits.max_audio_bytes
+    if len(audio) > limit:
+        raise InvalidRequest(f"The audio is {len(audio)} bytes, above limits.max_audio_bytes ({limit}).", param="file")
+    if not audio:
+        raise InvalidRequest("The audio file is empty.", param="file")
+    if len(audio) <= INLINE_AUDIO_BYTES:
+        return {"audio": base64.b64encode(audio).decode()}
+    spool = settings.HYPNOS.data_dir / "spool"
+    spool.mkdir(parents=True, exist_ok=True)
+    path = spool / f"{request_id}-{uuid.uuid4().hex[:8]}.audio"
+    path.write_bytes(audio)
+    return {"audio_path": str(path)}
+
+
+async def transcribe(client: InferenceClient, body: TranscriptionRequest, audio: bytes,
+                     ctx: RequestContext) -> tuple[InferenceCall, Event]:
+    """Run a transcription to its end: the call and its `done` event (result and telemetry)."""
+    find_model(body.model)
+    payload = {
+        **audio_payload(audio, ctx.request_id),
+        "language": body.language,
+        "prompt": body.prompt,
+        "temperature": body.temperature,
+        "word_timestamps": "word" in body.timestamp_granularities,
+    }
+    try:
+        call, _started = await client.start("transcribe", body.model, payload, ctx.request_id, ctx.deadline_ms,
+                                            ctx.next_model)
+        return call, await final_event(call)
+    finally:
+        # The worker removes a spool file once read; this covers a request refused or aborted first.
+        _drop_spool(payload)
+
+
+async def create_transcription(client: InferenceClient, body: TranscriptionRequest, audio: bytes,
+                               ctx: RequestContext) -> HttpResponse:
+    timeout = settings.HYPNOS.limits.request_timeout_secs
+    try:
+        call, done = await asyncio.wait_for(transcribe(client, body, audio, ctx), timeout)
+    except TimeoutError:
+        return request_timed_out(timeout)
+    result, telemetry = done["result"], done["telemetry"]
+    fmt = body.response_format
+    if fmt in ("json", "verbose_json"):
+        shaped = _json_transcript(result, body) if fmt == "json" else _verbose_transcript(result, body)
+        response: HttpResponse = JsonResponse({**shaped, "hypnos_telemetry": telemetry})
+    else:
+        text = {"text": result["text"] + "\n", "srt": srt(result["segments"]), "vtt": vtt(result["segments"])}[fmt]
+        response = HttpResponse(text, content_type=f"text/{'vtt' if fmt == 'vtt' else 'plain'}; charset=utf-8")
+        telemetry_headers(response, telemetry)
+    return with_wait_estimate(response, call)
+
+
+def _usage(result: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "duration", "seconds": math.ceil(result["duration_secs"])}
+
+
+def _json_transcript(result: dict[str, Any], body: TranscriptionRequest) -> dict[str, Any]:
+    shaped: dict[str, Any] = {"text": result["text"], "duration_secs": result["duration_secs"], "usage": _usage(result)}
+    if body.language:
+        shaped["language"] = body.language
+    return shaped
+
+
+def _verbose_transcript(result: dict[str, Any], body: TranscriptionRequest) -> dict[str, Any]:
+    language = result.get("language") or body.language or ""
+    shaped: dict[str, Any] = {
+        "task": "transcribe",
+        "language": LANGUAGE_NAMES.get(language, language),
+        "duration": result["duration_secs"],
+        "duration_secs": result["duration_secs"],
+        "text": result["text"],
+        "segments": [{k: v for k, v in s.items() if k != "words"} for s in result["segments"]],
+        "usage": _usage(result),
+    }
+    if "word" in body.timestamp_granularities:
+        shaped["words"] = [w for s in result["segments"] for w in s.get("words", [])]
+    return shaped
+
+
+def _clock(secs: float, separator: str) -> str:
+    millis = round(secs * 1000)
+    hours, rest = divmod(millis, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    seconds, millis = divmod(rest, 1000)
+    return f"{hours:02d}:{minutes:02d}:{seconds:02d}{separator}{millis:03d}"
+
+
+def srt(segments: list[dict[str, Any]]) -> str:
+    return "".join(
+        f"{i}\n{_clock(s['start'], ',')} --> {_clock(s['end'], ',')}\n{s['text'].strip()}\n\n"
+        for i, s in enumerate(segments, 1)
+    )
+
+
+def vtt(segments: list[dict[str, Any]]) -> str:
+    return "WEBVTT\n\n" + "".join(
+        f"{_clock(s['start'], '.')} --> {_clock(s['end'], '.')}\n{s['text'].strip()}\n\n" for s in segments
+    )
+
+
+def _drop_spool(payload: dict[str, Any]) -> None:
+    if payload.get("audio_path"):
+        from pathlib import Path
+
+        Path(payload["audio_path"]).unlink(missing_ok=True)
+
+
+# -- speech --------------------------------------------------------------------------------
+
+
+async def create_speech(client: InferenceClient, body: SpeechRequest, ctx: RequestContext) -> HttpResponse:
+    find_model(body.model)
+    check_prompt_chars(len(body.input), "input")
+    if not body.input.strip():
+        raise InvalidRequest("input holds no text to speak", param="input")
+    payload = {"input": body.input, "voice": body.voice, "speed": body.speed,
+               "response_format": body.response_format, "stream": body.stream}
+    timeout = settings.HYPNOS.limits.request_timeout_secs
+    try:
+        call, started = await asyncio.wait_for(
+            client.start("speech", body.model, payload, ctx.request_id, ctx.deadline_ms, ctx.next_model), timeout
+        )
+        content_type = CONTENT_TYPES[body.response_format]
+        if body.stream:
+            response: HttpResponse = StreamingHttpResponse(_audio_stream(call), content_type=content_type)
+            response["Cache-Control"] = "no-cache"
+            response["x-hypnos-previous-tier"] = started["previous_tier"]
+            response["x-hypnos-gpu-layers"] = str(started["gpu_layers"])
+            response["x-hypnos-switch-ms"] = str(started["tier_switch_ms"])
+            return with_wait_estimate(response, call)
+        audio, done = await asyncio.wait_for(collect_audio(call), timeout)
+    except TimeoutError:
+        return request_timed_out(timeout)
+    response = HttpResponse(audio, content_type=content_type)
+    telemetry_headers(response, done["telemetry"])
+    # Hypnos extension: the samples synthesized (24 kHz), for clients that check completeness.
+    response["x-hypnos-audio-samples"] = str(done["result"]["samples"])
+    return with_wait_estimate(response, call)
+
+
+def telemetry_headers(response: HttpResponse, telemetry: dict[str, Any]) -> None:
+    """Spec §5: the facts of hypnos_telemetry on a response that is not JSON."""
+    engine = telemetry["engine"]
+    response["x-hypnos-previous-tier"] = telemetry["previous_tier"]
+    response["x-hypnos-gpu-layers"] = str(telemetry["placement"]["gpu_layers"])
+    response["x-hypnos-switch-ms"] = str(telemetry["tier_switch_latency_ms"])
+    response["x-hypnos-inference-ms"] = str(telemetry["inference_latency_ms"])
+    if "audio_secs" in engine:
+        response["x-hypnos-audio-secs"] = str(engine["audio_secs"])
+    if "rtf" in engine:
+        response["x-hypnos-rtf"] = str(engine["rtf"])
+
+
+async def final_event(call: InferenceCall) -> Event:
+    """Run a call that sends nothing before its end to its `done` event."""
+    try:
+        async for event in call.events():
+            if event["kind"] == "error":
+                raise HypnosError.from_event(event)
+            if event["kind"] == "done":
+                return event
+    finally:
+        if not call.finished:
+            await call.abort()
+    raise ServerError("the inference worker ended the request without a result")
+
+
+async def collect_audio(call: InferenceCall) -> tuple[bytes, Event]:
+    """The whole audio answer of a speech call and its `done` event."""
+    pieces: list[bytes] = []
+    try:
+        async for event in call.events():
+            if event["kind"] == "audio":
+                pieces.append(base64.b64decode(event["data"]))
+            elif event["kind"] == "error":
+                raise HypnosError.from_event(event)
+            elif event["kind"] == "done":
+                return b"".join(pieces), event
+    finally:
+        if not call.finished:
+            await call.abort()
+    raise ServerError("the inference worker ended the request without a result")
+
+
+async def _audio_stream(call: InferenceCall) -> AsyncIterator[bytes]:
+    """The audio as the worker sends it. A failure mid-stream ends the body early (spec §10);
+    closing the connection aborts synthesis at the next phrase."""
+    try:
+        async for event in call.events():
+            if event["kind"] == "audio":
+                yield base64.b64decode(event["data"])
+            elif event["kind"] == "error":
+                return
+    except HypnosError:
+        return
+    finally:
+        if not call.finished:
+            await asyncio.shield(call.abort())

@@ -1,0 +1,155 @@
+"""The worker's media operations: embeddings, transcription and speech.
+
+They run on the chat path's machinery (admission, the model's slot, a lease, `_ensure_tier1`,
+eviction, telemetry); this module holds what differs: the work each op carries, how it drives
+its engine, and the events it sends back. Results travel as plain dicts; vectors and audio go
+base64-encoded in events of bounded size (the channel layer caps a message near 1 MB), and a
+large upload comes as a spool file path instead of inline bytes."""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hypnos_site.config import ModelConfig
+from inference.errors import Cancelled, DeviceOutOfMemory, InvalidRequest
+
+if TYPE_CHECKING:
+    from inference.engines.base import Engine
+    from inference.worker.core import ModelRuntime, Worker
+
+Event = dict[str, Any]
+MEDIA_OPS = {"embed": "embeddings", "transcribe": "speech_to_text", "speech": "text_to_speech"}
+ROUTES = {"embed": "embeddings", "transcribe": "transcriptions", "speech": "speech"}
+VECTORS_PER_EVENT = 256  # 384 dims: ~0.5 MB of base64 per event
+AUDIO_BYTES_PER_EVENT = 256 << 10
+STREAMABLE_FORMATS = ("wav", "pcm")
+
+
+@dataclass
+class MediaWork:
+    op: str
+    payload: dict[str, Any]
+
+
+def media_work(config: ModelConfig, op: str, payload: dict[str, Any]) -> MediaWork:
+    """The op's work, refused at admission when the model does not serve its modality."""
+    if config.modality != MEDIA_OPS[op]:
+        raise InvalidRequest(
+            f"The model {config.id!r} serves {config.modality}, not {MEDIA_OPS[op]} (/v1/{ROUTES[op]}).",
+            param="model",
+        )
+    return MediaWork(op, payload)
+
+
+def serve_media(worker: Worker, runtime: ModelRuntime, engine: Engine, work: MediaWork, cancel: threading.Event,
+                sink: Any, queue_ms: float) -> Event:
+    """Bring the model to tier 1, run the op, and return the terminal `done` event with the
+    spec's telemetry (§5); intermediate events (vectors, audio) go to `sink` as they come."""
+    switch = worker._ensure_tier1(runtime, runtime.config.context_len)
+    placement = worker.tiers.entries[runtime.config.id].placement
+    switch_ms = round(switch.phases.total_ms, 1) if switch.phases else 0.0
+    sink({"kind": "started", "previous_tier": str(switch.previous_tier), "gpu_layers": placement.gpu_layers,
+          "tier_switch_ms": switch_ms})
+    run = {"embed": _embed, "transcribe": _transcribe, "speech": _speech}[work.op]
+    started = time.perf_counter()
+    try:
+        result, timings = run(engine, work.payload, cancel, sink)
+    except DeviceOutOfMemory:
+        if work.op != "embed":
+            raise
+        # Spec §4: evict the idle models and retry once (embeddings are not streamed).
+        switch.evicted += worker._evict_idle(runtime.config.id, "device_out_of_memory")
+        result, timings = run(engine, work.payload, cancel, sink)
+    inference_ms = (time.perf_counter() - started) * 1000
+    if "audio_secs" in timings and timings["audio_secs"] > 0:
+        timings["rtf"] = round(inference_ms / 1000 / timings["audio_secs"], 4)
+    telemetry: dict[str, Any] = {
+        "previous_tier": str(switch.previous_tier),
+        "placement": placement.as_dict(),
+        "tier_switch_latency_ms": switch_ms,
+        "inference_latency_ms": round(inference_ms, 1),
+        "evicted_models": switch.evicted,
+        "engine": {"queue_ms": round(queue_ms, 1), **timings},
+    }
+    if switch.phases and runtime.config.engine == "ggml_llama":
+        telemetry["tier_switch_phases"] = switch.phases.as_dict()
+    return {"kind": "done", "result": result, "telemetry": telemetry}
+
+
+def _embed(engine: Engine, payload: dict[str, Any], cancel: threading.Event, sink: Any) -> tuple[dict, dict]:
+    vectors, tokens = engine.embed(payload["input"], cancel)
+    for start in range(0, len(vectors), VECTORS_PER_EVENT):
+        batch = vectors[start:start + VECTORS_PER_EVENT]
+        sink({"kind": "vectors", "data": [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in batch]})
+    return {"prompt_tokens": tokens}, {}
+
+
+def audio_bytes(payload: dict[str, Any]) -> bytes:
+    """The upload: inline base64, or a spool file the web process wrote (removed once read)."""
+    if payload.get("audio_path"):
+        path = Path(payload["audio_path"])
+        try:
+            return path.read_bytes()
+        finally:
+            path.unlink(missing_ok=True)
+    return base64.b64decode(payload["audio"])
+
+
+def _transcribe(engine: Engine, payload: dict[str, Any], cancel: threading.Event, sink: Any) -> tuple[dict, dict]:
+    from inference.engines.audio import TRANSCRIBE_RATE, decode_audio
+
+    samples = decode_audio(audio_bytes(payload))
+    duration = len(samples) / TRANSCRIBE_RATE
+    result = engine.transcribe(samples, payload, cancel)
+    return {**result, "duration_secs": round(duration, 3)}, {"audio_secs": round(duration, 3)}
+
+
+def _speech(engine: Engine, payload: dict[str, Any], cancel: threading.Event, sink: Any) -> tuple[dict, dict]:
+    """Phrase by phrase, 180 ms of silence between phrases, at 24 kHz. wav and pcm streams send
+    each phrase as it is ready (wav behind an open-ended header); anything else is encoded once
+    the whole answer exists, then sent."""
+    from inference.engines import audio
+
+    fmt = payload["response_format"]
+    streaming = payload.get("stream") and fmt in STREAMABLE_FORMATS
+    started = time.perf_counter()
+    first_audio_ms: float | None = None
+    kept: list[np.ndarray] = []
+    total = 0
+
+    def send(data: bytes) -> None:
+        for piece in audio.pieces(data, AUDIO_BYTES_PER_EVENT):
+            sink({"kind": "audio", "data": base64.b64encode(piece).decode()})
+
+    if streaming and fmt == "wav":
+        send(audio.wav_header(None))
+    for index, phrase in enumerate(audio.phrases(payload["input"])):
+        if cancel.is_set():
+            raise Cancelled("the request was cancelled")
+        samples, rate = engine.synthesize(phrase, payload["voice"], payload["speed"])
+        pcm = audio.to_output_rate(samples, rate)
+        if index:
+            pcm = np.concatenate([audio.silence(), pcm])
+        total += len(pcm)
+        if first_audio_ms is None:
+            first_audio_ms = (time.perf_counter() - started) * 1000
+        if streaming:
+            send(pcm.astype("<i2").tobytes())
+        else:
+            kept.append(pcm)
+    if not streaming:
+        whole = np.concatenate(kept) if kept else np.zeros(0, np.int16)
+        if fmt == "mp3":
+            whole = audio.mp3_aligned(whole)
+            total = len(whole)
+        send(audio.encode(whole, fmt))
+    audio_secs = round(total / audio.OUTPUT_RATE, 3)
+    timings = {"audio_secs": audio_secs, "ttfa_ms": round(first_audio_ms or 0.0, 1)}
+    return {"audio_secs": audio_secs, "samples": total, "sample_rate": audio.OUTPUT_RATE}, timings

@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+
+from models_registry.packaged import PackageMissing, convert_packaged_models
+
+
+class Command(BaseCommand):
+    help = ("Convert the configured models that come as Hugging Face folders (package_path) to the GGUF "
+            "their weights_path names, once per machine.")
+
+    def handle(self, *args, **options):  # type: ignore[no-untyped-def]
+        try:
+            converted = convert_packaged_models(settings.HYPNOS)
+        except PackageMissing as exc:
+            raise CommandError(str(exc)) from exc
+        for model_id, dest, wrote in converted:
+            self.stdout.write(f"{model_id}: {dest} ({'converted' if wrote else 'already there'})")

@@ -1,0 +1,52 @@
+"""WS /v1/realtime through a real websocket client against both deployments: the server's voice
+activity detection ends the turn, Whisper transcribes it."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import pytest
+from websockets.sync.client import connect
+
+from tests.e2e.conftest import Server
+
+pytestmark = pytest.mark.e2e
+SENTENCE = "Hello world. The weather is nice today."
+RATE = 24_000
+
+
+def events_until(ws, kind: str) -> list[dict]:
+    seen: list[dict] = []
+    while True:
+        try:
+            event = json.loads(ws.recv(timeout=90))
+        except TimeoutError:
+            pytest.fail(f"no {kind} in 90 s; received {[e['type'] for e in seen]}")
+        seen.append(event)
+        if event["type"] in (kind, "error", "conversation.item.input_audio_transcription.failed"):
+            return seen
+
+
+def test_server_vad_ends_the_turn_and_the_transcript_comes_back(server: Server):
+    pcm = httpx.post(f"{server.base_url}/v1/audio/speech", timeout=60,
+                     json={"model": "piper-joe", "input": SENTENCE, "response_format": "pcm"}).content
+    url = server.base_url.replace("http://", "ws://") + "/v1/realtime?intent=transcription&api_key=unused"
+    with connect(url) as ws:
+        assert json.loads(ws.recv(timeout=10))["type"] == "transcription_session.created"
+        audio = bytes(RATE // 2 * 2) + pcm + bytes(RATE * 2)  # 0.5 s silence, speech, 1 s silence
+        step = RATE * 2 // 10
+        for start in range(0, len(audio), step):
+            ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                "audio": base64.b64encode(audio[start:start + step]).decode()}))
+        events = events_until(ws, "conversation.item.input_audio_transcription.completed")
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                         "input_audio_buffer.committed", "conversation.item.created"]
+    started, stopped = events[0], events[1]
+    assert 450 <= started["audio_start_ms"] <= 600
+    assert stopped["audio_end_ms"] > started["audio_start_ms"] + 1500
+    assert events[-1]["item_id"] == started["item_id"] == stopped["item_id"]
+    assert events[-1]["type"] == "conversation.item.input_audio_transcription.completed", events[-1].get("error")
+    assert "nice today" in events[-1]["transcript"].lower()

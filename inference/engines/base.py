@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -126,6 +127,7 @@ class Engine(ABC):
         self.model = model
         self.weights = weights
         self.n_threads = n_threads
+        self._warm: WarmCopy | None = None
 
     @property
     @abstractmethod
@@ -146,13 +148,29 @@ class Engine(ABC):
         """What the model needs, read from its files (no load)."""
 
     @property
-    @abstractmethod
     def warm_bytes(self) -> int:
         """Bytes of weights held in worker-owned memory (0 in tier 3)."""
+        return self._warm.size if self._warm else 0
 
     @abstractmethod
     def warm(self) -> float:
         """Hold the weights in worker-owned memory; the milliseconds it took (0 if already)."""
+
+    def _hold(self, source: Path) -> float:
+        """The shared part of `warm`: copy `source` into a memfd once; the milliseconds it took."""
+        if self._warm is not None:
+            return 0.0
+        started = time.perf_counter()
+        self._warm = WarmCopy(source)
+        return (time.perf_counter() - started) * 1000
+
+    def _release(self, files: list[Path]) -> None:
+        """The shared part of `cool`: close the warm copy and drop the files' page cache."""
+        if self._warm is not None:
+            self._warm.close()
+            self._warm = None
+        for path in files:
+            drop_page_cache(path)
 
     @abstractmethod
     def load(self, context_len: int, gpu_layers: int) -> LoadPhases:

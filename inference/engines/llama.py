@@ -20,7 +20,7 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from llama_cpp.llama_grammar import JSON_GBNF
 
 from hypnos_site.config import ModelConfig
-from inference.engines.base import ChatResult, ChatWork, DeltaSink, Engine, LoadPhases, WarmCopy, drop_page_cache
+from inference.engines.base import ChatResult, ChatWork, DeltaSink, Engine, LoadPhases
 from inference.engines.llama_slots import SlotJob, SlotScheduler
 from inference.engines.text import StopMatcher
 from inference.engines.tools import call_schema, may_become_call, parse_tool_calls
@@ -61,7 +61,6 @@ class LlamaEngine(Engine):
         super().__init__(model, weights, n_threads)
         self._llm: llama_cpp.Llama | None = None
         self._formatter: Jinja2ChatFormatter | None = None
-        self._warm: WarmCopy | None = None
         self._scheduler: SlotScheduler | None = None
         self.max_concurrency = model.slots
         self._footprint: Footprint | None = None
@@ -89,16 +88,8 @@ class LlamaEngine(Engine):
             self._footprint = footprint_from_info(info)
         return self._footprint
 
-    @property
-    def warm_bytes(self) -> int:
-        return self._warm.size if self._warm else 0
-
     def warm(self) -> float:
-        if self._warm is not None:
-            return 0.0
-        started = time.perf_counter()
-        self._warm = WarmCopy(self.weights)
-        return (time.perf_counter() - started) * 1000
+        return self._hold(self.weights)
 
     def load(self, context_len: int, gpu_layers: int) -> LoadPhases:
         started = time.perf_counter()
@@ -168,10 +159,7 @@ class LlamaEngine(Engine):
 
     def cool(self) -> None:
         self.unload()
-        if self._warm is not None:
-            self._warm.close()
-            self._warm = None
-        drop_page_cache(self.weights)
+        self._release([self.weights])
 
     def capabilities(self) -> set[str]:
         self.footprint()

@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime
 
 from hypnos_site.config import ModelConfig
-from inference.engines.base import Engine, LoadPhases, WarmCopy, drop_page_cache
+from inference.engines.base import Engine, LoadPhases
 from inference.errors import ModelNotAvailable
 from memory.planner import Footprint, footprint_from_files
 
@@ -94,7 +94,6 @@ class OnnxSpeechEngine(Engine):
     def __init__(self, model: ModelConfig, weights: Path, n_threads: int | None):
         super().__init__(model, weights, n_threads)
         self._voice: Voice | None = None
-        self._warm: WarmCopy | None = None
         self._context_len = 0
         self.graph, self.family = self._find_graph()
 
@@ -131,16 +130,8 @@ class OnnxSpeechEngine(Engine):
     def footprint(self) -> Footprint:
         return footprint_from_files(self.files, WORKSPACE_BYTES)
 
-    @property
-    def warm_bytes(self) -> int:
-        return self._warm.size if self._warm else 0
-
     def warm(self) -> float:
-        if self._warm is not None:
-            return 0.0
-        started = time.perf_counter()
-        self._warm = WarmCopy(self.graph)
-        return (time.perf_counter() - started) * 1000
+        return self._hold(self.graph)
 
     def load(self, context_len: int, gpu_layers: int) -> LoadPhases:
         started = time.perf_counter()
@@ -167,11 +158,7 @@ class OnnxSpeechEngine(Engine):
 
     def cool(self) -> None:
         self.unload()
-        if self._warm is not None:
-            self._warm.close()
-            self._warm = None
-        for path in self.files:
-            drop_page_cache(path)
+        self._release(self.files)
 
     def synthesize(self, text: str, voice: str, speed: float) -> tuple[np.ndarray, int]:
         assert self._voice is not None, "synthesize on an unloaded engine"

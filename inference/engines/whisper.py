@@ -16,7 +16,7 @@ import numpy as np
 from faster_whisper import WhisperModel
 
 from hypnos_site.config import ModelConfig
-from inference.engines.base import Engine, LoadPhases, WarmCopy, drop_page_cache
+from inference.engines.base import Engine, LoadPhases
 from inference.errors import Cancelled, InvalidRequest, ModelNotAvailable
 from memory.planner import Footprint, footprint_from_files
 
@@ -35,7 +35,6 @@ class WhisperEngine(Engine):
     def __init__(self, model: ModelConfig, weights: Path, n_threads: int | None):
         super().__init__(model, weights, n_threads)
         self._model: WhisperModel | None = None
-        self._warm: WarmCopy | None = None
         self._small_files: dict[str, bytes] = {}
         self._context_len = 0
 
@@ -61,12 +60,10 @@ class WhisperEngine(Engine):
         return (self._warm.size if self._warm else 0) + sum(len(b) for b in self._small_files.values())
 
     def warm(self) -> float:
-        if self._warm is not None:
-            return 0.0
-        started = time.perf_counter()
-        self._small_files = {p.name: p.read_bytes() for p in self.files if p.name != WEIGHTS_FILE}
-        self._warm = WarmCopy(self.weights / WEIGHTS_FILE)
-        return (time.perf_counter() - started) * 1000
+        if self._warm is None:
+            # The small files (config, vocabulary) are kept as bytes beside the memfd weights.
+            self._small_files = {p.name: p.read_bytes() for p in self.files if p.name != WEIGHTS_FILE}
+        return self._hold(self.weights / WEIGHTS_FILE)
 
     def load(self, context_len: int, gpu_layers: int) -> LoadPhases:
         started = time.perf_counter()
@@ -95,12 +92,8 @@ class WhisperEngine(Engine):
 
     def cool(self) -> None:
         self.unload()
-        if self._warm is not None:
-            self._warm.close()
-            self._warm = None
         self._small_files = {}
-        for path in self.files:
-            drop_page_cache(path)
+        self._release(self.files)
 
     def transcribe(self, samples: np.ndarray, options: dict[str, Any], cancel: threading.Event) -> dict[str, Any]:
         model = self._model

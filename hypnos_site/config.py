@@ -61,6 +61,16 @@ class TlsConfig(_Strict):
     key: str
 
 
+class ProfileObjective(_Strict):
+    metric: Literal["first_token", "first_audio", "throughput"]
+    target_ms: float | None = Field(default=None, gt=0)
+
+
+class ProfileConfig(_Strict):
+    name: str = Field(min_length=1)
+    objective: ProfileObjective
+
+
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=9999, ge=1, le=65535)
@@ -79,6 +89,9 @@ class ServerConfig(_Strict):
     # How long the web process waits for a worker to acknowledge a request (distributed).
     worker_ack_timeout_secs: float = Field(default=5.0, gt=0)
     metrics_require_auth: bool = False
+    # The workload this server is tuned for (spec §14 `profile`); with limits.overload = "shed"
+    # its objective is every request's implicit x-hypnos-deadline-ms.
+    profile: ProfileConfig | None = None
     # The request log (spec §15): how many calls the ring buffer keeps, what it captures at
     # start (POST /v1/logs/level changes it at run time), and how captured text is redacted:
     # "blank" empties it, any other value is a regular expression whose matches become
@@ -120,6 +133,9 @@ class LimitsConfig(_Strict):
     max_queue_per_model: int = Field(default=8, ge=1)
     allow_remote_image_urls: bool = True
     allow_private_urls: bool = False
+    # "queue": admitted requests wait their turn; "shed": a request whose estimated wait exceeds
+    # the profile's objective is refused at once (503 deadline_unmeetable), as with a deadline.
+    overload: Literal["queue", "shed"] = "queue"
 
 
 class HardwareConfig(_Strict):

@@ -222,7 +222,7 @@ class Worker:
                     )
                 work = ChatWork(**request["payload"])
                 self._check_capabilities(runtime, work)
-            estimate = self._admit(runtime, request.get("deadline_ms"))
+            estimate = self._admit(runtime, request.get("deadline_ms") or self._implicit_deadline_ms())
         except HypnosError as exc:
             sink(exc.as_event())
             return
@@ -308,6 +308,13 @@ class Worker:
                 raise error
             runtime.admitted += 1
             return estimate
+
+    def _implicit_deadline_ms(self) -> float | None:
+        """With limits.overload = "shed", the profile's objective bounds every request's wait."""
+        profile = self.config.server.profile
+        if self.config.limits.overload != "shed" or profile is None:
+            return None
+        return profile.objective.target_ms
 
     def estimated_wait_ms(self, runtime: ModelRuntime) -> float | None:
         """Requests ahead beyond the model's slots times its average service time, plus a load
@@ -613,5 +620,7 @@ class Worker:
             "models": models,
             "recent_evictions": list(self.tiers.recent_evictions),
             "kv_park": self.kv_parking.status(),
+            **({"profile": self.config.server.profile.model_dump(exclude_none=True)}
+               if self.config.server.profile else {}),
             "evictions_total": self.evictions_total,
         }

@@ -80,3 +80,27 @@ async def test_a_workflow_is_timed_from_its_first_start_to_its_last_byte(api):
     workflows = (await api.get("/v1/memory/status")).json()["latency"]["workflows"]
     assert workflows["voice_turn"]["count"] == 1
     assert workflows["voice_turn"]["p50_ms"] > 0
+
+
+async def test_a_shedding_profile_refuses_what_its_objective_cannot_meet(api, settings, use_worker):
+    from hypnos_site.config import ProfileConfig
+
+    profile = ProfileConfig.model_validate({"name": "voice_assistant",
+                                            "objective": {"metric": "first_token", "target_ms": 1}})
+    config = settings.HYPNOS.model_copy(update={
+        "models": settings.HYPNOS.models[:2],
+        "server": settings.HYPNOS.server.model_copy(update={"profile": profile}),
+        "limits": settings.HYPNOS.limits.model_copy(update={"overload": "shed"}),
+    })
+    worker = use_worker(Worker(config))
+    worker.start()
+    assert worker.wait_ready(60)
+    try:
+        # SmolLM2 is resident (no wait); Qwen would need a load, beyond the 1 ms objective.
+        assert (await post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 1})).status_code == 200
+        shed = await post_json(api, URL, {"model": QWEN, "messages": PARIS_MESSAGES, "max_tokens": 1})
+        assert shed.status_code == 503 and shed.json()["error"]["type"] == "deadline_unmeetable"
+        status = (await api.get("/v1/memory/status")).json()
+        assert status["profile"] == {"name": "voice_assistant", "objective": {"metric": "first_token", "target_ms": 1.0}}
+    finally:
+        worker.shutdown()

@@ -6,43 +6,24 @@ the GGUF header, load and cool); only the context is created in embedding mode."
 from __future__ import annotations
 
 import threading
-import time
+from typing import Any
 
 import llama_cpp
 import numpy as np
 
-from inference.engines.base import LoadPhases
-from inference.engines.llama import LlamaEngine, _TimedContext
-from inference.errors import Cancelled, ContextLengthExceeded, ModelNotAvailable
+from inference.engines.llama import LlamaEngine
+from inference.errors import Cancelled, ContextLengthExceeded
 
 
 class LlamaEmbeddingEngine(LlamaEngine):
     """A GGUF embedding model (mean or CLS pooling, as its GGUF says); vectors L2-normalized."""
 
-    def load(self, context_len: int, gpu_layers: int) -> LoadPhases:
-        started = time.perf_counter()
-        mode = "mmap" if self._warm is not None else "read"
-        self.warm()
-        assert self._warm is not None
-        try:
-            # An encoder sees a whole input in one batch: the batch is the context.
-            llm = llama_cpp.Llama(
-                model_path=self._warm.path,
-                embedding=True,
-                n_ctx=context_len,
-                n_batch=context_len,
-                n_ubatch=context_len,
-                n_threads=self.n_threads,
-                n_threads_batch=self.n_threads,
-                n_gpu_layers=gpu_layers,
-                verbose=False,
-            )
-        except (ValueError, RuntimeError, OSError) as exc:
-            raise ModelNotAvailable(f"model {self.model.id!r} could not be loaded from {self.weights}: {exc}") from exc
-        context_ms = getattr(_TimedContext.timing, "ms", 0.0)
-        self._llm = llm
-        total_ms = (time.perf_counter() - started) * 1000
-        return LoadPhases(load_mode=mode, weights_ms=total_ms - context_ms, context_ms=context_ms, total_ms=total_ms)
+    def _context_options(self, context_len: int) -> dict[str, Any]:
+        # An encoder sees a whole input in one batch: the batch is the context.
+        return {"embedding": True, "n_batch": context_len, "n_ubatch": context_len}
+
+    def _ready(self, llm: llama_cpp.Llama) -> None:
+        """Nothing to prepare: no chat template, no slots."""
 
     def embed(self, texts: list[str], cancel: threading.Event) -> tuple[list[np.ndarray], int]:
         llm = self._llm

@@ -105,6 +105,7 @@ class LlamaEngine(Engine):
                 n_threads_batch=self.n_threads,
                 n_gpu_layers=gpu_layers,
                 verbose=False,
+                **self._context_options(context_len),
             )
         except (ValueError, RuntimeError, OSError) as exc:
             raise ModelNotAvailable(f"model {self.model.id!r} could not be loaded from {self.weights}: {exc}") from exc
@@ -112,11 +113,19 @@ class LlamaEngine(Engine):
             _TimedContext.timing.sequences = 1
         context_ms = getattr(_TimedContext.timing, "ms", 0.0)
         self._llm = llm
+        self._ready(llm)
+        total_ms = (time.perf_counter() - started) * 1000
+        return LoadPhases(load_mode=mode, weights_ms=total_ms - context_ms, context_ms=context_ms, total_ms=total_ms)
+
+    def _context_options(self, context_len: int) -> dict[str, Any]:
+        """Extra `llama_cpp.Llama` arguments of this engine's mode (none for chat)."""
+        return {}
+
+    def _ready(self, llm: llama_cpp.Llama) -> None:
+        """Set up what serving needs once the context exists: slots and the chat template."""
         if self.model.slots > 1:
             self._scheduler = SlotScheduler(llm, self.model.slots)
         self._formatter = self._chat_formatter(llm)
-        total_ms = (time.perf_counter() - started) * 1000
-        return LoadPhases(load_mode=mode, weights_ms=total_ms - context_ms, context_ms=context_ms, total_ms=total_ms)
 
     def kv_layout(self) -> tuple[Any, ...] | None:
         return (self.context_len, 1, str(self.weights), self.weights.stat().st_size) if self._llm else None

@@ -70,6 +70,18 @@ async def read_sse(response: Any) -> list[Any]:
     return events
 
 
+def read_in_background(response: Any) -> tuple[asyncio.Task[None], list[bytes]]:
+    """Consume a streaming response in a task, the way Django's ASGI handler does; cancelling
+    the task is what a client disconnect does to the response."""
+    chunks: list[bytes] = []
+
+    async def consume() -> None:
+        async for chunk in response.streaming_content:
+            chunks.append(chunk)
+
+    return asyncio.create_task(consume()), chunks
+
+
 async def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
     deadline = asyncio.get_running_loop().time() + timeout
     while asyncio.get_running_loop().time() < deadline:

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from tests.conftest import PARIS_MESSAGES
-from tests.integration.conftest import post_json, read_sse, wait_until, with_limits
+from tests.integration.conftest import post_json, read_in_background, read_sse, wait_until, with_limits
 
 pytestmark = pytest.mark.django_db(transaction=True)
 MODEL = "smollm2-135m"
@@ -132,14 +132,8 @@ async def test_the_client_closing_the_stream_stops_generation(api, worker, setti
     with_limits(settings, max_tokens_cap=2000)
     counting = LONG_STORY
     response = await post_json(api, URL, {"model": MODEL, "messages": counting, "max_tokens": 2000, "stream": True})
-    chunks: list[bytes] = []
-
-    async def consume() -> None:
-        async for chunk in response.streaming_content:
-            chunks.append(chunk)
-
     # Django's ASGI handler cancels the response task when the client disconnects; so does this.
-    reader = asyncio.create_task(consume())
+    reader, chunks = read_in_background(response)
     try:
         assert await wait_until(lambda: len(chunks) >= 3, timeout=60)
     finally:

@@ -18,7 +18,7 @@ from hypnos_site.config import KeyConfig
 from logs.store import levels
 from models_registry.quotas import secs_to_midnight
 from tests.conftest import PARIS_MESSAGES
-from tests.integration.conftest import post_json, read_sse, wait_until, with_server
+from tests.integration.conftest import post_json, read_in_background, read_sse, wait_until, with_server
 
 pytestmark = pytest.mark.django_db(transaction=True)
 URL = "/v1/chat/completions"
@@ -107,14 +107,8 @@ async def test_it_holds_the_concurrency_permit_until_the_stream_ends(api, settin
 async def test_a_stream_the_client_drops_gives_its_permit_back_and_is_logged(api, settings):
     with_keys(settings, KeyConfig(key="sk-one", label="one-at-a-time", max_concurrent=1))
     stream = await post_json(api, URL, CHAT | {"stream": True, "max_tokens": 60}, **bearer("sk-one"))
-    chunks: list[bytes] = []
-
-    async def consume() -> None:
-        async for chunk in stream.streaming_content:
-            chunks.append(chunk)
-
     # Django's ASGI handler cancels the response task when the client disconnects; so does this.
-    reader = asyncio.create_task(consume())
+    reader, chunks = read_in_background(stream)
     try:
         assert await wait_until(lambda: len(chunks) >= 3, timeout=60)
     finally:

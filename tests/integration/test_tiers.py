@@ -19,7 +19,7 @@ from inference.errors import DeviceOutOfMemory
 from inference.worker import Worker
 from memory.device import process_memory_bytes
 from tests.conftest import PARIS_MESSAGES
-from tests.integration.conftest import post_json, wait_until
+from tests.integration.conftest import post_json, read_in_background, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SMOL, QWEN = "smollm2-135m", "qwen2.5-coder-0.5b"
@@ -105,13 +105,7 @@ async def test_a_leased_model_is_never_evicted(api, tight):
     await chat(api, SMOL)
     body = {"model": SMOL, "messages": LONG_STORY, "max_tokens": 400, "stream": True}
     response = await post_json(api, URL, body)
-    chunks: list[bytes] = []
-
-    async def consume() -> None:
-        async for chunk in response.streaming_content:
-            chunks.append(chunk)
-
-    reader = asyncio.create_task(consume())
+    reader, chunks = read_in_background(response)
     try:
         assert await wait_until(lambda: len(chunks) >= 2, timeout=30)
         refused = await post_json(api, URL, {"model": QWEN, "messages": PARIS_MESSAGES, "max_tokens": 1})

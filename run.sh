@@ -7,6 +7,10 @@
 #   ./run.sh test [..]  run the whole test suite (arguments go to pytest)
 #   ./run.sh worker     run the inference worker of the distributed deployment
 #   ./run.sh setup      only set up
+#   ./run.sh models <id>[:<quant>] [..]  download catalog variants into models_dir (venv step
+#                       only; HF_TOKEN for gated files, HF_ENDPOINT for another hub; --help)
+#   ./run.sh advise --needs chat,voice [--vram 24G --ram 64G | --unified --ram 32G] [--json | --config]
+#                       recommend a lineup from the catalog and write its config (venv step only)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -100,8 +104,18 @@ case "$cmd" in
   setup)
     setup
     ;;
+  models)
+    # Downloading needs only the venv: not llama.cpp's build, the lineup's packages or the database.
+    setup_venv
+    exec "$VENV/bin/python" manage.py fetchmodels "$@"
+    ;;
+  advise)
+    # The advisor reads the catalog (and GGUF headers when present): the venv is enough.
+    setup_venv
+    exec "$VENV/bin/python" manage.py advise "$@"
+    ;;
   *)
-    echo "usage: ./run.sh [serve|test|worker|setup] [args...]" >&2
+    echo "usage: ./run.sh [serve|test|worker|setup|models|advise] [args...]" >&2
     exit 2
     ;;
 esac

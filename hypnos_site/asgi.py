@@ -15,8 +15,10 @@ from django.conf import settings  # noqa: E402
 
 if settings.HYPNOS.server.deployment == "embedded":
     from inference.worker import get_embedded_worker
+    from models_registry.overlay import with_overlay
 
-    get_embedded_worker()
+    # The pool: the config file's models with the run-time changes kept in the database.
+    get_embedded_worker(with_overlay(settings.HYPNOS))
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 

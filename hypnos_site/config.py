@@ -14,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -99,6 +99,10 @@ class ServerConfig(_Strict):
     request_log_capacity: int = Field(default=200, ge=1, le=100_000)
     request_log_level: RequestLogLevel = "info"
     request_log_redact: str | None = None
+    # A chat model's execution slot whose conversation has been idle this long has its KV
+    # emptied (its next turn prefills from the start) and is never parked (spec §14); unset
+    # keeps a conversation's KV until its slot is reused.
+    kv_idle_timeout_secs: float | None = Field(default=None, gt=0)
 
     @field_validator("request_log_redact")
     @classmethod
@@ -156,6 +160,35 @@ class HardwareConfig(_Strict):
     n_threads: int | None = Field(default=None, ge=1)
 
 
+class ArchConfig(_Strict):
+    """A model block's [models.arch]: what the weights are. Values left out are read from the
+    GGUF when the model joins the pool; a value given must agree with the file."""
+
+    architecture: str | None = None
+    block_count: int | None = Field(default=None, ge=1)
+    context_length: int | None = Field(default=None, ge=1)
+    embedding_length: int | None = Field(default=None, ge=1)
+
+
+# What a request that sets no sampling field gets when its model sets none either.
+ENGINE_SAMPLING_DEFAULTS = {
+    "temperature": 0.8, "top_p": 0.95, "top_k": 40, "max_tokens": 512,
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repeat_penalty": 1.0,
+}
+
+
+class SamplingDefaults(_Strict):
+    """A model's [models.sampling]: what a request that leaves a field out gets."""
+
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=1)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repeat_penalty: float | None = Field(default=None, ge=1, le=2)
+
+
 class ModelConfig(_Strict):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
     modality: Modality
@@ -184,6 +217,37 @@ class ModelConfig(_Strict):
     # Small models call tools they were offered even when none is needed; with this on, a
     # short constrained question first decides whether a tool is needed (tool_choice "auto").
     tool_router: bool = False
+    # The catalog's "aux" file: for a ggml_llama model, the multimodal projector (mmproj GGUF)
+    # that lets it take image parts. Relative paths are taken under models_dir.
+    aux_path: str | None = None
+    # How the model thinks (spec §7.1 think / reasoning_effort): "think_tags" for a <think>
+    # block before the answer. Unset: "think_tags" when the GGUF's chat template mentions <think>.
+    thinking: Literal["think_tags"] | None = None
+    arch: ArchConfig = ArchConfig()
+    sampling: SamplingDefaults = SamplingDefaults()
+    # Mixture-of-Experts expert offload (spec §6): "off" keeps the experts with their layer,
+    # "auto" moves the experts of as few layers as needed to host memory when the model does
+    # not fit tier 1 whole (before any layer split), "on" keeps every layer's experts there.
+    # Dense models ignore it.
+    moe_offload: Literal["off", "auto", "on"] = "off"
+
+    @model_validator(mode="after")
+    def _projector_fits(self) -> ModelConfig:
+        if self.aux_path and self.engine == "ggml_llama" and self.slots > 1:
+            raise ValueError("a model with a projector (aux_path) serves images on one slot: set slots = 1")
+        return self
+
+    @property
+    def modalities(self) -> list[str]:
+        """The primary modality first, then what else the model serves (spec §6)."""
+        found = [self.modality]
+        if self.engine == "ggml_llama" and self.aux_path and self.modality == "text_generation":
+            found.append("vision")
+        if self.modality == "vision":
+            found.append("text_generation")
+        if self.speech_to_text_model:
+            found.append("speech_to_text")
+        return found
 
 
 DEFAULT_MODELS = [
@@ -292,6 +356,12 @@ class HypnosConfig(_Strict):
 
     def weights_file(self, model: ModelConfig) -> Path:
         path = Path(model.weights_path).expanduser()
+        return path if path.is_absolute() else self.models_dir / path
+
+    def aux_file(self, model: ModelConfig) -> Path | None:
+        if model.aux_path is None:
+            return None
+        path = Path(model.aux_path).expanduser()
         return path if path.is_absolute() else self.models_dir / path
 
 

@@ -3,10 +3,13 @@ from django.urls import include, path
 
 from hypnos_site.metrics import metrics_view
 from inference import views
+from models_registry.admin_catalog import catalog_view
 
 urlpatterns = [
     path("health", views.health),
     path("ready", views.ready),
+    # Before the admin's own routes, whose catch-all would answer this path.
+    path("admin/catalog/", admin.site.admin_view(catalog_view), name="admin-catalog"),
     path("admin/", admin.site.urls),
     path("metrics", metrics_view),
     # Before inference.urls, whose last pattern answers every other /v1 path with a 404.

@@ -73,6 +73,13 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class UnprocessableEntity(InvalidRequest):
+    """A well-formed body whose value the route does not know (spec §6: an unknown moe-offload
+    mode is 422)."""
+
+    status = 422
+
+
 class AuthenticationError(HypnosError):
     status = 401
     type = "invalid_request_error"

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from inference.errors import InvalidRequest
+from models_registry.advisor import Need
 
 
 class _Wire(BaseModel):
@@ -41,6 +42,13 @@ class InputAudioPart(_Wire):
 
 ContentPart = Annotated[TextPart | ImageUrlPart | InputAudioPart, Field(discriminator="type")]
 
+# Where an image part stood in a message, in the text the web process hands the worker (the
+# images travel beside the messages, in order). llama.cpp's multimodal library reads the same
+# marker, so the rendered prompt goes to it as is.
+IMAGE_MARKER = "<__media__>"
+# Thought-token budgets of reasoning_effort (spec §7.1); "minimal" is read as "low".
+THINKING_BUDGETS = {"minimal": 512, "low": 512, "medium": 2048, "high": 6144}
+
 
 class ChatMessage(_Wire):
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -55,6 +63,19 @@ class ChatMessage(_Wire):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def text_with_images(self) -> str:
+        """The text, each image part as IMAGE_MARKER where it stood (a marker typed in the
+        text itself is removed, so markers and images always pair up)."""
+        if not isinstance(self.content, list):
+            return self.text().replace(IMAGE_MARKER, "")
+        return "".join(part.text.replace(IMAGE_MARKER, "") if isinstance(part, TextPart) else IMAGE_MARKER
+                       for part in self.content if isinstance(part, TextPart | ImageUrlPart))
+
+    def image_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImageUrlPart)]
 
     def media_kinds(self) -> set[str]:
         if not isinstance(self.content, list):
@@ -150,6 +171,20 @@ class ChatCompletionRequest(SamplingFields):
     enable_thinking: bool | None = None
     thinking: bool | None = None
 
+    def thinking_request(self) -> tuple[bool, int | None]:
+        """(thinking on, thought-token budget or None): reasoning_effort wins over think, and
+        think over the compat.md aliases (enable_thinking / thinking: false = "none", true = think)."""
+        effort = self.reasoning_effort
+        if effort is None:
+            alias = self.enable_thinking if self.enable_thinking is not None else self.thinking
+            if self.think is None and alias is False:
+                effort = "none"
+            else:
+                return bool(self.think if self.think is not None else alias), None
+        if effort == "none":
+            return False, None
+        return True, THINKING_BUDGETS[effort]
+
     def tool_choice_value(self) -> str | dict[str, str]:
         """"auto" | "none" | "required" | {"name": ...}, checked against `tools`."""
         choice = self.tool_choice or "auto"
@@ -197,6 +232,11 @@ class ResponsesText(_Wire):
     format: ResponsesTextFormat | None = None
 
 
+class ResponsesReasoning(_Wire):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: str | None = None
+
+
 class ResponsesRequest(_Wire):
     """OpenAI's Responses API, stateless (compat.md): no stored responses, no previous_response_id."""
 
@@ -211,11 +251,24 @@ class ResponsesRequest(_Wire):
     text: ResponsesText | None = None
     stream: bool = False
     seed: int | None = None
+    # Thinking as chat's reasoning_effort (spec §7.1); the thoughts come back as a reasoning item.
+    reasoning: ResponsesReasoning | None = None
+
+    def thinking_request(self) -> tuple[bool, int | None]:
+        effort = self.reasoning.effort if self.reasoning else None
+        if effort is None or effort == "none":
+            return False, None
+        return True, THINKING_BUDGETS[effort]
 
 
 class KvParkRequest(_Wire):
     enabled: bool | None = None
     max_bytes: int | None = Field(default=None, ge=0)
+
+
+class MoeOffloadRequest(_Wire):
+    # Checked by the worker: an unknown mode is 422, not 400 (spec §6).
+    mode: str
 
 
 class InternalSetRequest(_Wire):
@@ -226,6 +279,15 @@ class MemoryTierRequest(_Wire):
     model: str = Field(min_length=1)
     target_tier: Literal["tier1_gpu_vram", "tier2_pinned_ram", "tier3_nvme_ssd"]
     context_len: int | None = Field(default=None, ge=256)
+
+
+class AdvisorRequest(_Wire):
+    """POST /v1/advisor (spec §6); the machine fields left out are this server's."""
+
+    needs: list[Need] = Field(min_length=1)
+    vram_bytes: int | None = Field(default=None, ge=0)
+    ram_bytes: int | None = Field(default=None, ge=1)
+    unified_memory: bool | None = None
 
 
 M = TypeVar("M", bound=BaseModel)

@@ -152,7 +152,9 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
     def _model(name: str) -> str | None:
         """The URL's `model` when it names a speech_to_text model; else the first one configured
         (OpenAI clients put their conversation model, e.g. gpt-4o-realtime-preview, there)."""
-        hearing = [m for m in settings.HYPNOS.models if m.modality == "speech_to_text" and m.enabled]
+        from inference.serving.pool import pool
+
+        hearing = [m for m in pool.models() if m.modality == "speech_to_text" and m.enabled]
         chosen = next((m for m in hearing if name in (m.id, *m.aliases)), hearing[0] if hearing else None)
         return chosen.id if chosen else None
 

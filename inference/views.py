@@ -14,20 +14,22 @@ from inference.errors import NotFound
 from inference import latency
 from inference.errors import InvalidRequest
 from inference.protocol import (
+    AdvisorRequest,
     ChatCompletionRequest,
     CompletionRequest,
     InternalSetRequest,
     KvParkRequest,
+    MoeOffloadRequest,
     MemoryTierRequest,
     ResponsesRequest,
     parse_body,
 )
-from inference.serving import chat, completions, lemonade, models, responses
+from inference.serving import advisor, chat, completions, lemonade, models, responses
 from inference.serving.context import RequestContext
 from inference.protocol_media import EmbeddingRequest, SpeechRequest
-from inference.serving import audio, embeddings
+from inference.serving import audio, embeddings, pool
 from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
-from models_registry.authentication import IsAdminKey
+from models_registry.authentication import IsAdminKey, IsAdminKeyForChanges
 
 STARTED_AT = time.time()
 
@@ -39,11 +41,17 @@ class ChatCompletionsView(APIView):
 
 
 class ModelListView(APIView):
+    permission_classes = [IsAdminKeyForChanges]
+
     async def get(self, request: Request) -> JsonResponse:
         return JsonResponse(await models.list_models(get_client()))
 
     async def head(self, request: Request) -> JsonResponse:
         return JsonResponse(await models.list_models(get_client()))
+
+    async def post(self, request: Request) -> JsonResponse:
+        """Adds a model to the running pool (spec §6)."""
+        return JsonResponse(await pool.add_model(get_client(), _object(request.data)), status=201)
 
 
 class ModelCatalogView(APIView):
@@ -51,14 +59,30 @@ class ModelCatalogView(APIView):
         return JsonResponse(models.catalog(request.query_params.get("modality")))
 
 
+class AdvisorView(APIView):
+    """POST /v1/advisor (spec §6): open during startup staging, like the catalog."""
+
+    async def post(self, request: Request) -> JsonResponse:
+        return JsonResponse(advisor.advise(parse_body(AdvisorRequest, request.data)))
+
+
 class ModelView(APIView):
+    permission_classes = [IsAdminKeyForChanges]
+
     async def get(self, request: Request, model_id: str) -> JsonResponse:
         return JsonResponse(await models.get_model(get_client(), model_id))
+
+    async def put(self, request: Request, model_id: str) -> JsonResponse:
+        return JsonResponse(await pool.replace_model(get_client(), model_id, _object(request.data)))
+
+    async def delete(self, request: Request, model_id: str) -> JsonResponse:
+        drain_secs = request.query_params.get("drain_secs", 120)
+        return JsonResponse(await pool.remove_model(get_client(), model_id, drain_secs))
 
 
 class ModelFilesView(APIView):
     async def get(self, request: Request, model_id: str) -> JsonResponse:
-        return JsonResponse(models.model_files(model_id))
+        return JsonResponse(await models.model_files(get_client(), model_id))
 
 
 class ModelEnableView(APIView):
@@ -68,6 +92,29 @@ class ModelEnableView(APIView):
 
     async def post(self, request: Request, model_id: str) -> JsonResponse:
         return JsonResponse(await models.set_enabled(get_client(), model_id, self.enable))
+
+
+class ModelMoeOffloadView(APIView):
+    """POST /v1/models/{id}/moe-offload (spec §6)."""
+
+    async def post(self, request: Request, model_id: str) -> JsonResponse:
+        body = parse_body(MoeOffloadRequest, request.data)
+        return JsonResponse(await get_client().control("moe_offload", {"model": model_id, "mode": body.mode}))
+
+
+class ModelOptionsView(APIView):
+    """GET/POST/DELETE /v1/models/{id}/options (compat.md): reading is open, changes need an admin key."""
+
+    permission_classes = [IsAdminKeyForChanges]
+
+    async def get(self, request: Request, model_id: str) -> JsonResponse:
+        return JsonResponse(await pool.get_options(get_client(), model_id))
+
+    async def post(self, request: Request, model_id: str) -> JsonResponse:
+        return JsonResponse(await pool.set_options(get_client(), model_id, _object(request.data)))
+
+    async def delete(self, request: Request, model_id: str) -> JsonResponse:
+        return JsonResponse(await pool.set_options(get_client(), model_id, None))
 
 
 class MemoryStatusView(APIView):

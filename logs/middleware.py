@@ -211,13 +211,12 @@ class InferenceCallAccount:
 
     @property
     def model_id(self) -> str | None:
-        """The configured id the requested name stands for (an alias resolves), else the name."""
+        """The pool's id the requested name stands for (an alias resolves), else the name."""
+        from inference.serving.pool import pool
+
         if not self.model_name:
             return None
-        for model in settings.HYPNOS.models:
-            if self.model_name in (model.id, *model.aliases):
-                return model.id
-        return self.model_name
+        return next((m.id for m in pool.models() if self.model_name in (m.id, *m.aliases)), self.model_name)
 
     async def _log(self, status: int, duration_ms: float) -> None:
         threshold = await levels.get()

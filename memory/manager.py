@@ -84,6 +84,8 @@ class ModelEntry:
     # Measured load times into tier 1, by the tier the load started from.
     load_ms: dict[MemoryTier, float] = field(default_factory=dict)
     rate: DecayingRate = field(default_factory=DecayingRate)
+    # MoE offload (spec §6): "off", "auto" or "on"; the planner ignores it for dense models.
+    moe_offload: str = "off"
 
     @property
     def rank(self) -> int:
@@ -119,12 +121,18 @@ class TierManager:
 
     # -- registration and bookkeeping --------------------------------------------------------
 
-    def register(self, model_id: str, priority: str, footprint: Footprint) -> ModelEntry:
+    def register(self, model_id: str, priority: str, footprint: Footprint,
+                 moe_offload: str = "off") -> ModelEntry:
         with self.lock:
             entry = ModelEntry(model_id, priority, footprint, placement=cold_placement(footprint),
-                               rate=DecayingRate(self.clock), last_used=self.clock())
+                               rate=DecayingRate(self.clock), last_used=self.clock(), moe_offload=moe_offload)
             self.entries[model_id] = entry
             return entry
+
+    def set_priority(self, model_id: str, priority: str) -> None:
+        with self.lock:
+            if model_id in self.entries:
+                self.entries[model_id].priority = priority
 
     def forget(self, model_id: str) -> None:
         with self.lock:
@@ -220,10 +228,14 @@ class TierManager:
             own = entry.tier1_bytes()
             free = self.tier1_counters()["effective_free"] + own  # type: ignore[operator]
             victims = self.evictable(model_id, (MemoryTier.TIER1,))
-            fp, ratio = entry.footprint, self.limits.min_gpu_layer_ratio
-            chosen = self._fewest_victims(fp, context_len, free, ratio, victims, whole=True)
-            if chosen is None:
-                chosen = self._fewest_victims(fp, context_len, free, ratio, victims, whole=False)
+            fp, ratio, moe = entry.footprint, self.limits.min_gpu_layer_ratio, entry.moe_offload
+            # Whole with the experts where the mode puts them, then (moe_offload "auto") whole
+            # with some experts in tier 2, then a layer split: each with the fewest evictions.
+            attempts = [("on" if moe == "on" else "off", True), *([("auto", True)] if moe == "auto" else []),
+                        (moe, False)]
+            chosen = None
+            for mode, whole in attempts:
+                chosen = chosen or self._fewest_victims(fp, context_len, free, ratio, victims, whole, mode)
             if chosen is None:
                 raise NoRoom(
                     "insufficient_vram_or_ram",
@@ -258,12 +270,12 @@ class TierManager:
         return lru[:excess]
 
     def _fewest_victims(self, fp: Footprint, context_len: int, free: int, ratio: float,
-                        victims: list[ModelEntry], whole: bool) -> tuple[Placement, int] | None:
+                        victims: list[ModelEntry], whole: bool, moe_offload: str) -> tuple[Placement, int] | None:
         freed = 0
         for n in range(len(victims) + 1):
             if n:
                 freed += victims[n - 1].tier1_bytes()
-            placement = plan_placement(fp, context_len, free + freed, ratio)
+            placement = plan_placement(fp, context_len, free + freed, ratio, moe_offload)
             if placement is not None and (not whole or placement.gpu_layers == fp.n_layers):
                 return placement, n
         return None
@@ -301,6 +313,11 @@ class TierManager:
                          f"The model {model_id!r} needs {needed} bytes of warm host memory; the tier-2 budget "
                          f"is {self.tier2_budget} and {used} of it is held by models that cannot move now.")
         return extra
+
+    def set_moe_offload(self, model_id: str, mode: str) -> None:
+        """The model's MoE offload mode, for its next placement."""
+        with self.lock:
+            self.entries[model_id].moe_offload = mode
 
     def plan_warm(self, model_id: str) -> list[Eviction]:
         """Evictions to disk that make room to hold `model_id`'s weights in tier 2."""
@@ -344,4 +361,6 @@ class TierManager:
                 "total_requests_served": e.requests_served,
                 "requests_per_minute": round(e.rate.per_minute(), 3),
                 "reload_estimate_ms": round(e.reload_estimate_ms(lands), 1),
+                "moe_offload": e.moe_offload,
+                "expert_bytes": e.footprint.expert_bytes,
             }

@@ -16,7 +16,7 @@ from django.conf import settings
 from django.http import HttpRequest
 from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication
-from rest_framework.permissions import BasePermission
+from rest_framework.permissions import SAFE_METHODS, BasePermission
 
 from models_registry.models import ApiKey, hash_key, split_models
 
@@ -49,11 +49,10 @@ class ApiPrincipal:
 
 
 def _model_names(name: str) -> set[str]:
-    """`name` with the id and aliases of the configured model it names, if any."""
-    for model in settings.HYPNOS.models:
-        if name in (model.id, *model.aliases):
-            return {model.id, *model.aliases}
-    return {name}
+    """`name` with the id and aliases of the pool's model it names, if any."""
+    from inference.serving.pool import pool
+
+    return pool.names(name)
 
 
 def default_label(key: str) -> str:
@@ -199,3 +198,10 @@ class IsAdminKey(BasePermission):
 
     def has_permission(self, request, view) -> bool:  # type: ignore[no-untyped-def]
         return request.auth is None or bool(request.auth.admin)
+
+
+class IsAdminKeyForChanges(IsAdminKey):
+    """Reading is open to every key; POST, PUT and DELETE change the pool (admin keys only)."""
+
+    def has_permission(self, request, view) -> bool:  # type: ignore[no-untyped-def]
+        return request.method in SAFE_METHODS or super().has_permission(request, view)

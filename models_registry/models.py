@@ -61,3 +61,46 @@ class ApiKey(models.Model):
         key = record.set_new_key()
         record.save()
         return record, key
+
+
+class ModelOverlay(models.Model):
+    """A change to the model pool made while the server ran (POST/PUT/DELETE /v1/models). The
+    overlay is applied on top of the config file at the next start; the file is never rewritten."""
+
+    ADDED, REPLACED, REMOVED = "added", "replaced", "removed"
+
+    model_id = models.CharField(max_length=200, unique=True)
+    action = models.CharField(
+        max_length=10,
+        choices=[(ADDED, "added"), (REPLACED, "replaced (a config model)"), (REMOVED, "removed (a config model)")],
+    )
+    block = models.TextField(
+        blank=True, help_text="The [[models]] block (TOML) the model runs with; its id is model_id. Empty when removed."
+    )
+    source = models.CharField(
+        max_length=200, blank=True, help_text="The catalog spec the block came from, if any."
+    )
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["model_id"]
+
+    def __str__(self) -> str:
+        return f"{self.model_id} ({self.action})"
+
+
+class ModelOptions(models.Model):
+    """A model's saved options (GET/POST/DELETE /v1/models/{id}/options): the top layer over
+    the built-in defaults and the model's config block."""
+
+    model_id = models.CharField(max_length=200, unique=True)
+    options = models.JSONField(default=dict, blank=True)
+    updated = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name = "model options"
+        verbose_name_plural = "model options"
+        ordering = ["model_id"]
+
+    def __str__(self) -> str:
+        return self.model_id

@@ -7,10 +7,9 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from hypnos_site.config import ModelConfig
 from memory.kv_park import ParkedState
@@ -74,10 +73,18 @@ class ChatWork:
     top_logprobs: int | None = None
     # /v1/completions: the prompt as given, no chat template.
     raw_prompt: str | None = None
+    # The encoded images of the messages' image parts, in the order of their IMAGE_MARKERs.
+    images: list[bytes] = field(default_factory=list)
+    # Thinking on (spec §7.1) and its thought-token budget (None: bounded by max_tokens only).
+    think: bool = False
+    thinking_budget: int | None = None
 
 
-#: A piece of streamed answer text and, when asked for, its tokens' log probabilities.
-DeltaSink = Callable[[str, "list[dict[str, Any]] | None"], None]
+class DeltaSink(Protocol):
+    """Takes a piece of streamed answer text and, when asked for, its tokens' log probabilities;
+    with `reasoning` true the piece is thoughts instead (spec §7.4: they come before the answer)."""
+
+    def __call__(self, text: str, logprobs: list[dict[str, Any]] | None, reasoning: bool = False, /) -> None: ...
 
 
 @dataclass
@@ -122,11 +129,17 @@ class Engine(ABC):
 
     #: How many requests may run at once on one loaded engine.
     max_concurrency = 1
+    #: MoE offload: the routed experts of this many layers, counted from the last, load into
+    #: host memory at the next `load` (the worker sets it from the placement; 0 keeps them with
+    #: their layer, and engines without experts ignore it).
+    cpu_expert_layers = 0
 
-    def __init__(self, model: ModelConfig, weights: Path, n_threads: int | None):
+    def __init__(self, model: ModelConfig, weights: Path, n_threads: int | None, aux: Path | None = None):
         self.model = model
         self.weights = weights
         self.n_threads = n_threads
+        # The model block's aux file (a projector or a VAE), resolved under models_dir.
+        self.aux = aux
         self._warm: WarmCopy | None = None
 
     @property
@@ -194,6 +207,11 @@ class Engine(ABC):
 
     def restore(self, state: ParkedState) -> int:
         """Put a parked state back into the freshly loaded context; the tokens restored."""
+        return 0
+
+    def empty_idle_slots(self, idle_secs: float) -> int:
+        """Empty the KV of the slots whose conversation has been idle for `idle_secs` or more
+        (server.kv_idle_timeout_secs); the tokens dropped. Called while the model is idle."""
         return 0
 
     def capabilities(self) -> set[str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import codecs
-import ctypes
 import json
 import random
 import threading
@@ -19,18 +18,21 @@ import numpy as np
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from llama_cpp.llama_grammar import JSON_GBNF
 
-from hypnos_site.config import ModelConfig
+from hypnos_site.config import ENGINE_SAMPLING_DEFAULTS, ModelConfig
 from inference.engines.base import ChatResult, ChatWork, DeltaSink, Engine, LoadPhases
-from inference.engines.llama_slots import SlotJob, SlotScheduler
+from inference.engines.llama_offload import ExpertOffloadModel, expert_pattern
+from inference.engines.llama_slots import SlotJob, SlotScheduler, seq_state, set_seq_state
 from inference.engines.text import StopMatcher
+from inference.engines.thinking import FORCED_CLOSE, OPEN, ThinkBlock
 from inference.engines.tools import call_schema, may_become_call, parse_tool_calls
+from inference.engines.vision import Projector
 from inference.errors import ContextLengthExceeded, DeviceOutOfMemory, InvalidRequest, ModelNotAvailable
 from memory.gguf import read_gguf
-from memory.kv_park import ParkedState
+from memory.kv_park import ParkedSlot, ParkedState
 from memory.planner import Footprint, footprint_from_info
 
 # Sampling defaults when the request leaves a value out (llama.cpp's own defaults).
-DEFAULT_SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 40}
+DEFAULT_SAMPLING = {key: ENGINE_SAMPLING_DEFAULTS[key] for key in ("temperature", "top_p", "top_k")}
 
 
 class _TimedContext(internals.LlamaContext):
@@ -51,20 +53,25 @@ class _TimedContext(internals.LlamaContext):
 
 
 internals.LlamaContext = _TimedContext  # type: ignore[misc]
+internals.LlamaModel = ExpertOffloadModel  # type: ignore[misc]
 
 
 class LlamaEngine(Engine):
     """One `llama_cpp.Llama` per model, mapped from the worker's warm copy of the GGUF; chat
     prompts are rendered with the GGUF's own template."""
 
-    def __init__(self, model: ModelConfig, weights: Path, n_threads: int | None):
-        super().__init__(model, weights, n_threads)
+    def __init__(self, model: ModelConfig, weights: Path, n_threads: int | None, aux: Path | None = None):
+        super().__init__(model, weights, n_threads, aux)
         self._llm: llama_cpp.Llama | None = None
+        # The multimodal projector (aux) bound to the loaded model: image parts (vision.py).
+        self._projector: Projector | None = None
         self._formatter: Jinja2ChatFormatter | None = None
         self._scheduler: SlotScheduler | None = None
         self.max_concurrency = model.slots
         self._footprint: Footprint | None = None
         self._metadata: dict[str, object] = {}
+        # When the single-slot context's conversation was last served (KV idle timeout).
+        self._used_at = time.monotonic()
 
     @property
     def loaded(self) -> bool:
@@ -97,6 +104,7 @@ class LlamaEngine(Engine):
         self.warm()
         assert self._warm is not None
         _TimedContext.timing.sequences = self.model.slots
+        ExpertOffloadModel.request(self._host_expert_patterns())
         try:
             llm = llama_cpp.Llama(
                 model_path=self._warm.path,
@@ -111,11 +119,34 @@ class LlamaEngine(Engine):
             raise ModelNotAvailable(f"model {self.model.id!r} could not be loaded from {self.weights}: {exc}") from exc
         finally:
             _TimedContext.timing.sequences = 1
+            ExpertOffloadModel.request([])
         context_ms = getattr(_TimedContext.timing, "ms", 0.0)
         self._llm = llm
         self._ready(llm)
+        projector_ms = self._load_projector(llm, gpu_layers)
         total_ms = (time.perf_counter() - started) * 1000
-        return LoadPhases(load_mode=mode, weights_ms=total_ms - context_ms, context_ms=context_ms, total_ms=total_ms)
+        return LoadPhases(load_mode=mode, weights_ms=total_ms - context_ms - projector_ms, context_ms=context_ms,
+                          total_ms=total_ms, projector_ms=projector_ms)
+
+    def _load_projector(self, llm: llama_cpp.Llama, gpu_layers: int) -> float:
+        """Bind the model block's projector (aux_path) to the loaded model; the milliseconds it took."""
+        if self.aux is None:
+            return 0.0
+        started = time.perf_counter()
+        try:
+            self._projector = Projector(self.aux, llm, self.n_threads, use_gpu=gpu_layers != 0)
+        except ModelNotAvailable as exc:
+            self.unload()
+            raise ModelNotAvailable(f"model {self.model.id!r}: {exc.message}") from exc
+        return (time.perf_counter() - started) * 1000
+
+    def _host_expert_patterns(self) -> list[str]:
+        """MoE offload: the expert tensors of the last `cpu_expert_layers` layers stay in host
+        memory (nothing for a dense model)."""
+        fp = self.footprint()
+        if not self.cpu_expert_layers or not fp.expert_bytes:
+            return []
+        return [expert_pattern(range(max(fp.n_layers - self.cpu_expert_layers, 0), fp.n_layers))]
 
     def _context_options(self, context_len: int) -> dict[str, Any]:
         """Extra `llama_cpp.Llama` arguments of this engine's mode (none for chat)."""
@@ -128,39 +159,60 @@ class LlamaEngine(Engine):
         self._formatter = self._chat_formatter(llm)
 
     def kv_layout(self) -> tuple[Any, ...] | None:
-        return (self.context_len, 1, str(self.weights), self.weights.stat().st_size) if self._llm else None
+        if self._llm is None:
+            return None
+        return (self.context_len, self.model.slots, str(self.weights), self.weights.stat().st_size)
 
     def park(self) -> ParkedState | None:
         llm = self._llm
-        if llm is None or llm.n_tokens == 0 or self._scheduler is not None:
-            return None  # parking covers the single-slot context (its one sequence)
-        size = llama_cpp.llama_state_seq_get_size(llm.ctx, 0)
-        buffer = (ctypes.c_uint8 * size)()
-        written = llama_cpp.llama_state_seq_get_data(llm.ctx, buffer, size, 0)
-        if written == 0:
+        if llm is None:
             return None
+        if self._scheduler is not None:
+            slots = self._scheduler.park()
+        else:
+            data = seq_state(llm.ctx, 0) if llm.n_tokens else None
+            tokens = tuple(int(t) for t in llm._input_ids[: llm.n_tokens])
+            slots = (ParkedSlot(0, tokens, data, self._used_at),) if data is not None else ()
         layout = self.kv_layout()
         assert layout is not None
-        return ParkedState(layout=layout, tokens=tuple(int(t) for t in llm._input_ids[: llm.n_tokens]),
-                           data=bytes(buffer[:written]))
+        return ParkedState(layout=layout, slots=slots) if slots else None
 
     def restore(self, state: ParkedState) -> int:
         llm = self._llm
         assert llm is not None
-        buffer = (ctypes.c_uint8 * state.size).from_buffer_copy(state.data)
-        if llama_cpp.llama_state_seq_set_data(llm.ctx, buffer, state.size, 0) == 0:
+        if self._scheduler is not None:
+            return self._scheduler.restore(state.slots)
+        [slot] = state.slots
+        if not set_seq_state(llm.ctx, 0, slot.data):
             return 0
-        n = len(state.tokens)
-        llm.input_ids[:n] = state.tokens
+        n = len(slot.tokens)
+        llm.input_ids[:n] = slot.tokens
         llm.n_tokens = n
+        self._used_at = slot.used_at
         # The logits of the last token are not part of the state: generate() re-evaluates it.
         llm._requires_eval = True
         return n
+
+    def empty_idle_slots(self, idle_secs: float) -> int:
+        llm = self._llm
+        if llm is None:
+            return 0
+        if self._scheduler is not None:
+            return self._scheduler.empty_idle(idle_secs)
+        if not llm.n_tokens or time.monotonic() - self._used_at < idle_secs:
+            return 0
+        dropped = llm.n_tokens
+        llama_cpp.llama_memory_seq_rm(llm._ctx.memory, 0, 0, -1)
+        llm.reset()
+        return dropped
 
     def unload(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
             self._scheduler = None
+        if self._projector is not None:
+            self._projector.close()
+            self._projector = None
         if self._llm is not None:
             self._llm.close()
         self._llm = None
@@ -176,15 +228,28 @@ class LlamaEngine(Engine):
         found = set()
         if "tools" in template:
             found.add("tools")
-        if "<think>" in template:
+        if self.thinking_format() is not None:
             found.add("thinking")
+        if self.aux is not None:
+            found.add("vision")
         return found
+
+    def thinking_format(self) -> str | None:
+        """The model block's `thinking`, else `think_tags` when the chat template writes <think>."""
+        self.footprint()
+        template = str(self._metadata.get("tokenizer.chat_template", ""))
+        return self.model.thinking or ("think_tags" if OPEN in template else None)
 
     def chat(self, work: ChatWork, cancel: threading.Event, on_delta: DeltaSink) -> ChatResult:
         llm = self._llm
         assert llm is not None, "chat on an unloaded engine"
         plan = self._prompt(llm, work)
-        tokens = llm.tokenize(plan.prompt.encode("utf-8"), add_bos=plan.add_bos, special=plan.special)
+        images_started = time.perf_counter()
+        if work.images:
+            tokens = self._image_prompt(llm, plan.prompt, work.images)
+        else:
+            tokens = llm.tokenize(plan.prompt.encode("utf-8"), add_bos=plan.add_bos, special=plan.special)
+        images_ms = (time.perf_counter() - images_started) * 1000 if work.images else 0.0
         n_ctx = llm.n_ctx()
         if len(tokens) >= n_ctx:
             raise ContextLengthExceeded(
@@ -192,8 +257,15 @@ class LlamaEngine(Engine):
                 "send fewer messages or ask for a larger num_ctx.",
                 param="messages",
             )
-        output = _Output(on_delta, hold=plan.tool_names is not None, forced=plan.forced_prefix is not None)
-        result = self._decode(llm, tokens, work, plan.grammar, min(work.max_tokens, n_ctx - len(tokens)), cancel, output)
+        thoughts = self._think_block(plan, work)
+        output = _Output(on_delta, hold=plan.tool_names is not None, forced=plan.forced_prefix is not None,
+                         thoughts=thoughts)
+        # A forced close of the thinking block takes a few tokens of context too.
+        room = n_ctx - len(tokens) - (len(self._close_tokens(llm)) if thoughts else 0)
+        result = self._decode(llm, tokens, work, plan.grammar, max(min(work.max_tokens, room), 1), cancel, output)
+        # The projector's image evaluation is part of the prefill.
+        result.prefill_ms += images_ms
+        result.ttft_ms += images_ms
         if plan.tool_names is not None:
             text = (plan.forced_prefix or "") + output.held_text()
             content, calls = parse_tool_calls(text, plan.tool_names)
@@ -209,6 +281,8 @@ class LlamaEngine(Engine):
                 max_tokens: int, cancel: threading.Event, output: _Output) -> ChatResult:
         """Generate on this engine's one context, or through its slot scheduler."""
         seed = work.seed if work.seed is not None else random.randrange(2**31)
+        if self._scheduler is not None and output.thoughts is not None:
+            return self._scheduled_thinking(llm, tokens, work, grammar, max_tokens, cancel, output, seed)
         if self._scheduler is not None:
             llm.set_seed(seed)
             sampler = llm._init_sampler(
@@ -225,13 +299,71 @@ class LlamaEngine(Engine):
             job = SlotJob(tokens=tokens, sampler=sampler, stops=StopMatcher(work.stop), max_tokens=max_tokens,
                           cancel=cancel, emit=emit, reuse_prefix=work.seed is None)
             return self._scheduler.run(job)
-        if work.seed is not None:
+        if work.seed is not None and not work.images:
             # A reused prefix re-evaluates only the tail, whose logits differ in the last bits
             # from a whole-prompt evaluation; a seeded run must not depend on the previous one.
             llm.reset()
-        cached = self._cached_prefix(tokens)
+        # A prompt with images was evaluated just now, whole, by the projector.
+        cached = 0 if work.images else self._cached_prefix(tokens)
         llm.set_seed(seed)
-        return self._generate(llm, tokens, cached, work, grammar, max_tokens, cancel, output)
+        try:
+            return self._generate(llm, tokens, cached, work, grammar, max_tokens, cancel, output)
+        finally:
+            self._used_at = time.monotonic()
+
+    def _scheduled_thinking(self, llm: llama_cpp.Llama, tokens: list[int], work: ChatWork,
+                            grammar: llama_cpp.LlamaGrammar | None, max_tokens: int, cancel: threading.Event,
+                            output: _Output, seed: int) -> ChatResult:
+        """A thinking request on the slot scheduler, in legs: when the block must be closed the
+        leg ends, and the next starts from the context plus the closing tag (the slot keeps the
+        shared prefix, so only the new tokens are evaluated). Stop strings apply to the answer."""
+        assert self._scheduler is not None and output.thoughts is not None
+        thoughts, stops, top = output.thoughts, StopMatcher(work.stop), work.top_logprobs
+        context, legs = list(tokens), list[ChatResult]()
+        while True:
+            leg = _Leg(cancel)
+
+            def emit(text: str, token: int, index: int, leg: _Leg = leg) -> None:
+                if token >= 0:
+                    context.append(token)
+                if leg.stopped:
+                    return
+                piece = llm.detokenize([token], special=False) if token >= 0 else b""
+                logprobs = _token_logprobs(llm, token, piece, top, index) if top is not None and token >= 0 else None
+                routed = thoughts.feed(text, tokens=1 if token >= 0 else 0)
+                output.think(routed.reasoning)
+                content, leg.stopped = stops.feed(routed.content)
+                output.emit(content, logprobs if content else None)
+                leg.close = leg.close or routed.close
+                if leg.stopped or leg.close:
+                    leg.set()
+
+            llm.set_seed(seed)
+            sampler = llm._init_sampler(
+                top_k=_pick(work.top_k, "top_k"), top_p=_pick(work.top_p, "top_p"),
+                temp=_pick(work.temperature, "temperature"), repeat_penalty=work.repeat_penalty,
+                frequency_penalty=work.frequency_penalty, presence_penalty=work.presence_penalty, grammar=grammar)
+            produced = sum(r.completion_tokens for r in legs)
+            legs.append(self._scheduler.run(SlotJob(
+                tokens=list(context), sampler=sampler, stops=StopMatcher([]), max_tokens=max_tokens - produced,
+                cancel=leg, emit=emit, reuse_prefix=work.seed is None)))
+            produced += legs[-1].completion_tokens
+            # A model that ends its turn inside its thoughts still owes the answer.
+            ended_in_block = legs[-1].finish_reason == "stop" and thoughts.in_block
+            if cancel.is_set() or leg.stopped or produced >= max_tokens or not (leg.close or ended_in_block):
+                break
+            context.extend(self._close_tokens(llm))
+            thoughts.forced_close()
+        if not leg.stopped:
+            tail = thoughts.flush()
+            output.think(tail.reasoning)
+            output.emit(stops.feed(tail.content)[0] + stops.flush(), None)
+        first = legs[0]
+        finish = ("cancelled" if cancel.is_set() else "stop" if leg.stopped
+                  else "length" if produced >= max_tokens else legs[-1].finish_reason)
+        return replace(first, finish_reason=finish, completion_tokens=produced,
+                       decode_ms=first.decode_ms + sum(r.prefill_ms + r.decode_ms for r in legs[1:]),
+                       concurrent_slots=max(r.concurrent_slots for r in legs))
 
     def _prompt(self, llm: llama_cpp.Llama, work: ChatWork) -> _PromptPlan:
         """The prompt text, the grammar and the tool handling of one request."""
@@ -245,10 +377,14 @@ class LlamaEngine(Engine):
         # (offered again, they call the same tool again): render the follow-up without them.
         if tools and messages[-1]["role"] == "tool":
             tools = None
+        # Thinking needs free text: not under a JSON grammar, nor when the answer must be a call.
+        think = work.think and schema is None and (not tools or work.tool_choice == "auto")
         try:
-            prompt = self._formatter(messages=messages, tools=tools).prompt
+            # Templates of thinking families (Qwen3, ...) open or close the block by this flag.
+            prompt = self._formatter(messages=messages, tools=tools, enable_thinking=think).prompt
         except Exception as exc:  # jinja2 raises whatever the template's raise_exception says
             raise InvalidRequest(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
+        prompt = self._thinking_prompt(prompt, think)
         if not tools:
             return _PromptPlan(prompt, grammar=_grammar(schema))
         names = {t["function"]["name"] for t in tools}
@@ -265,6 +401,36 @@ class LlamaEngine(Engine):
         return _PromptPlan(prompt + prefix, tool_names=names, forced_prefix=prefix,
                            grammar=_grammar(call_schema(forced)))
 
+    def _thinking_prompt(self, prompt: str, think: bool) -> str:
+        """Open the thinking block when the request thinks; close at once one the template
+        opened when it does not (spec §7.1: reasoning_effort "none")."""
+        if self.thinking_format() is None:
+            return prompt
+        opened = prompt.rstrip().endswith(OPEN)
+        if think and not opened:
+            return prompt + OPEN + "\n"
+        if not think and opened:
+            return prompt.rstrip() + "\n" + FORCED_CLOSE
+        return prompt
+
+    def _think_block(self, plan: _PromptPlan, work: ChatWork) -> ThinkBlock | None:
+        """What follows the generation through the thinking block (None: the model has no
+        thinking format, or a grammar shapes the whole answer)."""
+        if self.thinking_format() is None or plan.grammar is not None or work.raw_prompt is not None:
+            return None
+        thinking = plan.prompt.rstrip().endswith(OPEN)
+        return ThinkBlock(thinking, work.thinking_budget if thinking else None)
+
+    def _close_tokens(self, llm: llama_cpp.Llama) -> list[int]:
+        return llm.tokenize(FORCED_CLOSE.encode("utf-8"), add_bos=False, special=True)
+
+    def _image_prompt(self, llm: llama_cpp.Llama, prompt: str, images: list[bytes]) -> list[int]:
+        """Evaluate a prompt with images through the projector; its tokens as the context holds them."""
+        if self._projector is None:
+            raise InvalidRequest(f"The model {self.model.id!r} does not serve vision (no projector, aux_path), "
+                                 "so it cannot take image_url parts.", param="messages")
+        return self._projector.evaluate(llm, prompt, images)
+
     def _route(self, llm: llama_cpp.Llama, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, str] | None:
         """Ask the model, constrained to answer a tool name or `none`, whether the last user turn
         needs a tool: the named call to force, or None to answer without tools."""
@@ -279,7 +445,8 @@ class LlamaEngine(Engine):
         tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
         answer: list[str] = []
         self._decode(llm, tokens, ChatWork(messages=[], max_tokens=16, temperature=0.0), grammar, 16,
-                     threading.Event(), _Output(lambda text, _: answer.append(text), hold=False, forced=False))
+                     threading.Event(), _Output(lambda text, _logprobs, _reasoning=False: answer.append(text),
+                                                hold=False, forced=False))
         decision = "".join(answer).strip()
         return {"name": decision} if decision in names else None
 
@@ -297,39 +464,67 @@ class LlamaEngine(Engine):
         stops = StopMatcher(work.stop)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         vocab = llm._model.vocab
-        finish, produced, first_at = "length", 0, None
+        finish, produced, first_at, hit_stop = "length", 0, None, False
         started = time.perf_counter()
-        generator = llm.generate(
-            tokens,
-            temp=_pick(work.temperature, "temperature"),
-            top_p=_pick(work.top_p, "top_p"),
-            top_k=_pick(work.top_k, "top_k"),
-            repeat_penalty=work.repeat_penalty,
-            frequency_penalty=work.frequency_penalty,
-            presence_penalty=work.presence_penalty,
-            grammar=grammar,
-        )
-        try:
-            for token in _oom_as_typed(generator):
-                first_at = first_at or time.perf_counter()
-                if llama_cpp.llama_vocab_is_eog(vocab, token):
-                    finish = "stop"
-                    break
-                produced += 1
-                piece = llm.detokenize([token], special=False)
-                logprobs = _token_logprobs(llm, token, piece, work.top_logprobs) if work.top_logprobs is not None else None
-                text, stopped = stops.feed(decoder.decode(piece))
-                output.emit(text, logprobs)
-                if stopped:
-                    finish = "stop"
-                    break
-                if cancel.is_set():
-                    finish = "cancelled"
-                    break
-                if produced >= max_tokens:
-                    break
-        finally:
-            generator.close()
+        thoughts = output.thoughts
+        # The context so far: generation restarts from it (re-evaluating nothing but what is
+        # new) after the server wrote the end of a thinking block into it.
+        context = list(tokens)
+        while True:
+            generator = llm.generate(
+                context,
+                temp=_pick(work.temperature, "temperature"),
+                top_p=_pick(work.top_p, "top_p"),
+                top_k=_pick(work.top_k, "top_k"),
+                repeat_penalty=work.repeat_penalty,
+                frequency_penalty=work.frequency_penalty,
+                presence_penalty=work.presence_penalty,
+                grammar=grammar,
+            )
+            close = False
+            try:
+                for token in _oom_as_typed(generator):
+                    first_at = first_at or time.perf_counter()
+                    if llama_cpp.llama_vocab_is_eog(vocab, token):
+                        # A model that ends its turn inside its thoughts still owes the answer.
+                        close = thoughts is not None and thoughts.in_block
+                        finish = "stop"
+                        break
+                    produced += 1
+                    context.append(token)
+                    piece = llm.detokenize([token], special=False)
+                    logprobs = (_token_logprobs(llm, token, piece, work.top_logprobs)
+                                if work.top_logprobs is not None else None)
+                    text = decoder.decode(piece)
+                    if thoughts is not None:
+                        routed = thoughts.feed(text)
+                        output.think(routed.reasoning)
+                        text, close = routed.content, routed.close
+                        logprobs = logprobs if text else None
+                    text, hit_stop = stops.feed(text)
+                    output.emit(text, logprobs)
+                    if hit_stop:
+                        finish, close = "stop", False
+                        break
+                    if cancel.is_set():
+                        finish, close = "cancelled", False
+                        break
+                    if produced >= max_tokens:
+                        close = False
+                        break
+                    if close:
+                        break
+            finally:
+                generator.close()
+            if not close or thoughts is None:
+                break
+            finish = "length"
+            context += self._close_tokens(llm)
+            thoughts.forced_close()
+        if thoughts is not None and not hit_stop:
+            tail = thoughts.flush()
+            output.think(tail.reasoning)
+            output.emit(stops.feed(tail.content)[0], None)
         # After a stop string the matcher holds nothing; otherwise release what it held back.
         output.emit(stops.flush() + decoder.decode(b"", final=True), None)
         ended = time.perf_counter()
@@ -408,16 +603,36 @@ class _PromptPlan:
     forced_prefix: str | None = None
 
 
+class _Leg(threading.Event):
+    """The cancel flag of one leg of a scheduled thinking request: set by the leg itself (to
+    close the thinking block, or at a stop string) or by the request's own flag."""
+
+    def __init__(self, request_cancel: threading.Event):
+        super().__init__()
+        self.request_cancel = request_cancel
+        self.close = False
+        self.stopped = False
+
+    def is_set(self) -> bool:
+        return super().is_set() or self.request_cancel.is_set()
+
+
 class _Output:
     """Passes answer text on as it comes, except while it may still turn out to be a tool call
-    (or surely is one): that text is held until the end, then parsed."""
+    (or surely is one): that text is held until the end, then parsed. Thoughts are never held:
+    they come first and are no call."""
 
-    def __init__(self, on_delta: DeltaSink, hold: bool, forced: bool):
+    def __init__(self, on_delta: DeltaSink, hold: bool, forced: bool, thoughts: ThinkBlock | None = None):
         self.on_delta = on_delta
         self.holding = hold
         self.forced = forced
         self.held: list[str] = []
         self.held_logprobs: list[dict[str, Any]] = []
+        self.thoughts = thoughts
+
+    def think(self, text: str) -> None:
+        if text:
+            self.on_delta(text, None, True)
 
     def emit(self, text: str, logprobs: list[dict[str, Any]] | None) -> None:
         if self.holding:

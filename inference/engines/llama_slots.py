@@ -6,11 +6,16 @@ One scheduler thread owns the llama context. Requests hand it a `SlotJob` and wa
 jobs into free slots (the slot whose cached tokens share the longest prefix with the prompt, so
 a conversation's next turn re-evaluates only its new tokens), builds each step's batch from the
 pending prompt chunks and the last sampled tokens, decodes, samples and streams.
+
+KV parking (spec §14) saves every used slot's sequence when the model leaves tier 1 and puts
+each back into the same sequence when it returns, so a conversation's next turn finds its prefix
+in the slot it left; `server.kv_idle_timeout_secs` empties the slots idle that long.
 """
 
 from __future__ import annotations
 
 import codecs
+import ctypes
 import logging
 import threading
 import time
@@ -25,6 +30,7 @@ import llama_cpp._internals as internals
 from inference.engines.base import ChatResult
 from inference.engines.text import StopMatcher
 from inference.errors import DeviceOutOfMemory, ServerError
+from memory.kv_park import ParkedSlot
 
 log = logging.getLogger(__name__)
 BATCH_TOKENS = 512
@@ -61,6 +67,25 @@ class _Slot:
     seq: int
     tokens: list[int] = field(default_factory=list)
     job: SlotJob | None = None
+    # When the slot's conversation was last served (time.monotonic()).
+    used_at: float = field(default_factory=time.monotonic)
+
+
+def seq_state(ctx: llama_cpp.llama_context_p, seq: int) -> bytes | None:
+    """Sequence `seq`'s KV cells, serialised by llama.cpp (None when it has none)."""
+    size = llama_cpp.llama_state_seq_get_size(ctx, seq)
+    if size == 0:
+        return None
+    buffer = (ctypes.c_uint8 * size)()
+    written = llama_cpp.llama_state_seq_get_data(ctx, buffer, size, seq)
+    return bytes(buffer[:written]) if written else None
+
+
+def set_seq_state(ctx: llama_cpp.llama_context_p, seq: int, data: bytes) -> bool:
+    """Load a serialised sequence into `seq`; False when llama.cpp refuses it (no room, another
+    layout), in which case the sequence is left empty."""
+    buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    return llama_cpp.llama_state_seq_set_data(ctx, buffer, len(data), seq) != 0
 
 
 class SlotScheduler:
@@ -84,6 +109,43 @@ class SlotScheduler:
             raise job.error
         assert job.result is not None
         return job.result
+
+    def park(self) -> tuple[ParkedSlot, ...]:
+        """Every used slot's sequence, for KV parking. Called while the model is idle (no lease),
+        so no decode runs on the context meanwhile."""
+        with self.cond:
+            parked = []
+            for slot in self.slots:
+                data = seq_state(self.llm.ctx, slot.seq) if slot.tokens and slot.job is None else None
+                if data is not None:
+                    parked.append(ParkedSlot(slot.seq, tuple(slot.tokens), data, slot.used_at))
+            return tuple(parked)
+
+    def restore(self, parked: tuple[ParkedSlot, ...]) -> int:
+        """Put parked sequences back into the same slots of a freshly loaded context (before it
+        takes requests); the tokens restored."""
+        restored = 0
+        with self.cond:
+            for state in parked:
+                slot = self.slots[state.seq]
+                if set_seq_state(self.llm.ctx, state.seq, state.data):
+                    slot.tokens, slot.used_at = list(state.tokens), state.used_at
+                    restored += len(state.tokens)
+        return restored
+
+    def empty_idle(self, idle_secs: float) -> int:
+        """Empty the KV of the slots idle for `idle_secs` or more; the tokens dropped. Does
+        nothing while a job runs (the decode owns the context)."""
+        with self.cond:
+            if self._active() or self.queue:
+                return 0
+            dropped = 0
+            for slot in self.slots:
+                if slot.tokens and time.monotonic() - slot.used_at >= idle_secs:
+                    llama_cpp.llama_memory_seq_rm(self.llm._ctx.memory, slot.seq, 0, -1)
+                    dropped += len(slot.tokens)
+                    slot.tokens = []
+            return dropped
 
     def close(self) -> None:
         with self.cond:
@@ -205,6 +267,7 @@ class SlotScheduler:
         )
         if slot is not None:
             slot.job = None
+            slot.used_at = time.monotonic()
         job.sampler.close()
         job.done.set()
 

@@ -20,6 +20,7 @@ from inference.client import Event, InferenceCall, InferenceClient
 from inference.errors import HypnosError, InvalidRequest, ServerError
 from inference.protocol import parse_body
 from inference.protocol_media import SpeechRequest, TranscriptionRequest
+from inference.serving.pool import pool
 from inference.serving.chat import check_prompt_chars, find_model, request_timed_out
 from inference.serving.context import RequestContext, with_wait_estimate
 
@@ -83,6 +84,7 @@ def audio_payload(audio: bytes, request_id: str) -> dict[str, Any]:
 async def transcribe(client: InferenceClient, body: TranscriptionRequest, audio: bytes,
                      ctx: RequestContext) -> tuple[InferenceCall, Event]:
     """Run a transcription to its end: the call and its `done` event (result and telemetry)."""
+    await pool.ensure(client, body.model)
     find_model(body.model)
     payload = {
         **audio_payload(audio, ctx.request_id),
@@ -178,6 +180,7 @@ def _drop_spool(payload: dict[str, Any]) -> None:
 
 
 async def create_speech(client: InferenceClient, body: SpeechRequest, ctx: RequestContext) -> HttpResponse:
+    await pool.ensure(client, body.model)
     find_model(body.model)
     check_prompt_chars(len(body.input), "input")
     if not body.input.strip():

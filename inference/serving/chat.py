@@ -13,22 +13,22 @@ from typing import Any
 from django.conf import settings
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
-from hypnos_site.config import ModelConfig
+from hypnos_site.config import ENGINE_SAMPLING_DEFAULTS, ModelConfig
 from inference.client import Event, InferenceCall, InferenceClient
 from inference.errors import HypnosError, InvalidRequest, ModelNotFound, ServerError
 from inference.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
+from inference.serving import image_input
 from inference.serving.context import RequestContext, start_call, with_wait_estimate
+from inference.serving.pool import pool
 
 log = logging.getLogger(__name__)
-DEFAULT_MAX_TOKENS = 512
+DEFAULT_MAX_TOKENS = ENGINE_SAMPLING_DEFAULTS["max_tokens"]
 MEDIA_MODALITY = {"image_url": "vision", "input_audio": "speech_to_text"}
 
 
 def find_model(name: str) -> ModelConfig:
-    model = next((m for m in settings.HYPNOS.models if name in (m.id, *m.aliases)), None)
-    if model is None:
-        raise ModelNotFound(f"The model {name!r} does not exist; GET /v1/models lists the models.", param="model")
-    return model
+    """The pool's model that `name` (an id or an alias) stands for; 404 model_not_found."""
+    return pool.find(name)
 
 
 def check_prompt_chars(chars: int, param: str) -> None:
@@ -38,24 +38,33 @@ def check_prompt_chars(chars: int, param: str) -> None:
 
 
 def sampling_payload(body: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
-    """The worker fields every text route shares; max_tokens clamped to max_tokens_cap."""
+    """The worker fields every text route shares: the request's, else the model's sampling
+    defaults ([models.sampling], or its saved options); max_tokens clamped to max_tokens_cap."""
     cap = settings.HYPNOS.limits.max_tokens_cap
+    defaults = find_model(body.model).sampling
+    sent = body.model_fields_set
+
+    def pick(name: str) -> Any:
+        default = getattr(defaults, name)
+        return getattr(body, name) if name in sent or default is None else default
+
     return {
-        "max_tokens": min(max_tokens or DEFAULT_MAX_TOKENS, cap),
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": body.top_k,
+        "max_tokens": min(max_tokens or defaults.max_tokens or DEFAULT_MAX_TOKENS, cap),
+        "temperature": pick("temperature"),
+        "top_p": pick("top_p"),
+        "top_k": pick("top_k"),
         "seed": body.seed,
         "stop": body.stop_list(),
         "num_ctx": body.num_ctx or body.ctx_size,
-        "frequency_penalty": body.frequency_penalty,
-        "presence_penalty": body.presence_penalty,
-        "repeat_penalty": body.repeat_penalty,
+        "frequency_penalty": pick("frequency_penalty"),
+        "presence_penalty": pick("presence_penalty"),
+        "repeat_penalty": pick("repeat_penalty"),
     }
 
 
 def worker_message(message: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
+    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                           "content": message.text_with_images()}
     if message.tool_calls:
         out["tool_calls"] = message.tool_calls
     if message.tool_call_id:
@@ -70,7 +79,7 @@ def chat_payload(body: ChatCompletionRequest) -> dict[str, Any]:
     model = find_model(body.model)
     for message in body.messages:
         for kind in message.media_kinds():
-            if model.modality != MEDIA_MODALITY[kind]:
+            if MEDIA_MODALITY[kind] not in model.modalities:
                 raise InvalidRequest(
                     f"The model {model.id!r} does not serve {MEDIA_MODALITY[kind]}, so it cannot take {kind} parts.",
                     param="messages",
@@ -84,18 +93,27 @@ def chat_payload(body: ChatCompletionRequest) -> dict[str, Any]:
         "tool_choice": body.tool_choice_value(),
         "json_schema": body.response_format.schema_or_none() if body.response_format else None,
         "top_logprobs": (body.top_logprobs or 0) if body.logprobs else None,
+        **dict(zip(("think", "thinking_budget"), body.thinking_request(), strict=True)),
     }
+
+
+async def load_images(body: ChatCompletionRequest) -> list[bytes]:
+    """The images of the messages' image_url parts, in order (data: URLs and remote fetches)."""
+    policy = image_input.ImagePolicy.from_limits(settings.HYPNOS.limits)
+    return [await image_input.load_image(url, policy) for m in body.messages for url in m.image_urls()]
 
 
 async def create_chat_completion(client: InferenceClient, body: ChatCompletionRequest, ctx: RequestContext) -> HttpResponse:
     from inference.serving import voice
 
+    await pool.ensure(client, body.model)
     timeout = settings.HYPNOS.limits.request_timeout_secs
     completion_id = "chatcmpl-" + uuid.uuid4().hex
     try:
         # input_audio on a chat model that hears through a speech_to_text model: transcribe first.
         body, stages = await asyncio.wait_for(voice.transcribe_audio_parts(client, body, ctx), timeout)
         payload = chat_payload(body)
+        payload["images"] = await asyncio.wait_for(load_images(body), timeout)
         call, _started = await asyncio.wait_for(start_call(client, body.model, payload, ctx), timeout)
         call = voice.reporting(call, stages, find_model(body.model).id)
         if body.stream:
@@ -140,18 +158,24 @@ def record_stats(done: Event) -> None:
 
 
 async def collect(call: InferenceCall) -> tuple[str, list[dict[str, Any]], Event]:
-    """Run a call to its end: the answer text, its logprobs entries and the `done` event."""
+    """Run a call to its end: the answer text, its logprobs entries and the `done` event (with
+    the thoughts, if any, as its `reasoning_content`)."""
     text: list[str] = []
+    thoughts: list[str] = []
     logprobs: list[dict[str, Any]] = []
     try:
         async for event in call.events():
             if event["kind"] == "delta":
                 text.append(event["text"])
                 logprobs += event.get("logprobs") or []
+            elif event["kind"] == "reasoning":
+                thoughts.append(event["text"])
             elif event["kind"] == "error":
                 raise HypnosError.from_event(event)
             elif event["kind"] == "done":
                 record_stats(event)
+                if thoughts:
+                    event = {**event, "reasoning_content": "".join(thoughts)}
                 return "".join(text), logprobs, event
     finally:
         if not call.finished:
@@ -162,6 +186,8 @@ async def collect(call: InferenceCall) -> tuple[str, list[dict[str, Any]], Event
 async def _chat_json(call: InferenceCall, completion_id: str, body: ChatCompletionRequest) -> dict[str, Any]:
     text, logprobs, done = await collect(call)
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if done.get("reasoning_content"):
+        message["reasoning_content"] = done["reasoning_content"]
     if done.get("tool_calls"):
         message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in done["tool_calls"]]
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason(done["finish_reason"])}
@@ -206,6 +232,8 @@ async def _chat_sse(call: InferenceCall, chunk: _ChunkMaker, with_logprobs: bool
             if event["kind"] == "delta":
                 extra = {"logprobs": {"content": event.get("logprobs") or []}} if with_logprobs else {}
                 yield chunk({"content": event["text"]}, **extra)
+            elif event["kind"] == "reasoning":
+                yield chunk({"reasoning_content": event["text"]})
             elif event["kind"] == "done":
                 record_stats(event)
                 for tool_call in event.get("tool_calls") or []:

@@ -16,6 +16,7 @@ from inference.client import InferenceCall, InferenceClient
 from inference.errors import HypnosError
 from inference.protocol import CompletionRequest
 from inference.serving.context import RequestContext, start_call, with_wait_estimate
+from inference.serving.pool import pool
 from inference.serving.chat import (
     check_prompt_chars,
     collect,
@@ -56,6 +57,7 @@ def legacy_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any
 
 
 async def create_completion(client: InferenceClient, body: CompletionRequest, ctx: RequestContext) -> HttpResponse:
+    await pool.ensure(client, body.model)
     payload = completion_payload(body)
     timeout = settings.HYPNOS.limits.request_timeout_secs
     completion_id = "cmpl-" + uuid.uuid4().hex

@@ -9,13 +9,15 @@ from django.conf import settings
 from inference.client import InferenceClient
 from inference.errors import InvalidRequest, ModelNotAvailable, NotFound
 from inference.serving.chat import last_stats
+from inference.serving.pool import pool
 
 
 async def health(client: InferenceClient) -> dict[str, Any]:
     status = await client.status()
     if status is None:
         raise ModelNotAvailable("no inference worker is answering")
-    configs = {m.id: m for m in settings.HYPNOS.models}
+    pool.update(status)
+    configs = {m.id: m for m in pool.models()}
     loaded = [
         {"model_name": model_id, "checkpoint": str(settings.HYPNOS.weights_file(configs[model_id])),
          "type": "llm" if configs[model_id].modality == "text_generation" else configs[model_id].modality,

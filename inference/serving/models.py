@@ -9,7 +9,8 @@ from django.conf import settings
 
 from hypnos_site.config import ModelConfig
 from inference.client import InferenceClient
-from inference.errors import ModelNotFound, NotFound
+from inference.errors import NotFound
+from inference.serving.pool import pool
 from models_registry.catalog import catalog_path, describe, load_catalog
 
 CREATED = 1_767_225_600  # 2026-01-01, a fixed `created` for configured models
@@ -33,29 +34,33 @@ def _enabled(model: ModelConfig, state: dict[str, Any]) -> bool:
     return bool(state.get("enabled", model.enabled))
 
 
+async def _states(client: InferenceClient) -> dict[str, Any]:
+    """Each model's state from the worker (which also refreshes the pool view)."""
+    status = await client.status()
+    if status is None:
+        return {}
+    pool.update(status)
+    return status["models"]
+
+
 async def list_models(client: InferenceClient) -> dict[str, Any]:
     """Models in service; disabled ones are hidden."""
-    states = ((await client.status()) or {}).get("models", {})
-    data = [_model_object(m, states.get(m.id, {})) for m in settings.HYPNOS.models if _enabled(m, states.get(m.id, {}))]
+    states = await _states(client)
+    data = [_model_object(m, states.get(m.id, {})) for m in pool.models() if _enabled(m, states.get(m.id, {}))]
     return {"object": "list", "data": data}
 
 
-def find(name: str) -> ModelConfig:
-    model = next((m for m in settings.HYPNOS.models if name in (m.id, *m.aliases)), None)
-    if model is None:
-        raise ModelNotFound(f"The model {name!r} does not exist; GET /v1/models lists the models.", param="model")
-    return model
-
-
 async def get_model(client: InferenceClient, name: str) -> dict[str, Any]:
-    model = find(name)
-    state = ((await client.status()) or {}).get("models", {}).get(model.id, {})
+    states = await _states(client)
+    model = pool.find(name)
+    state = states.get(model.id, {})
     return {**_model_object(model, state), "enabled": _enabled(model, state)}
 
 
-def model_files(name: str) -> dict[str, Any]:
+async def model_files(client: InferenceClient, name: str) -> dict[str, Any]:
     """GET /v1/models/{id}/files: the files the model block names, and whether they are there."""
-    model = find(name)
+    await pool.ensure(client, name)
+    model = pool.find(name)
     path = settings.HYPNOS.weights_file(model)
     size = path.stat().st_size if path.is_file() else None
     return {"object": "list", "model": model.id, "data": [
@@ -67,9 +72,11 @@ def catalog(modality: str | None) -> dict[str, Any]:
     path = catalog_path(settings.HYPNOS)
     if not path.exists():
         raise NotFound("This server has no models.catalog.toml.")
-    return describe(settings.HYPNOS, load_catalog(path), modality)
+    live = settings.HYPNOS.model_copy(update={"models": pool.models()})
+    return describe(live, load_catalog(path), modality)
 
 
 async def set_enabled(client: InferenceClient, name: str, enabled: bool) -> dict[str, Any]:
-    find(name)
+    await pool.ensure(client, name)
+    pool.find(name)
     return await client.control("enable" if enabled else "disable", {"model": name})

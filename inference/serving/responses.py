@@ -16,6 +16,7 @@ from inference.client import Event, InferenceCall, InferenceClient
 from inference.errors import HypnosError, InvalidRequest
 from inference.protocol import ResponsesRequest
 from inference.serving.context import RequestContext, start_call, with_wait_estimate
+from inference.serving.pool import pool
 from inference.serving.chat import (
     DEFAULT_MAX_TOKENS,
     check_prompt_chars,
@@ -83,6 +84,7 @@ def responses_payload(body: ResponsesRequest) -> dict[str, Any]:
         "tools": tools or None,
         "tool_choice": choice,
         "json_schema": schema,
+        **dict(zip(("think", "thinking_budget"), body.thinking_request(), strict=True)),
     }
 
 
@@ -129,10 +131,15 @@ class _Builder:
 
     def output(self, text: str, done: Event) -> list[dict[str, Any]]:
         items = [self.message(text)] if text or not done.get("tool_calls") else []
+        if done.get("reasoning_content"):
+            # The thoughts first, as OpenAI's reasoning item (they come before the answer).
+            items.insert(0, {"id": "rs_" + uuid.uuid4().hex, "type": "reasoning", "summary": [],
+                             "content": [{"type": "reasoning_text", "text": done["reasoning_content"]}]})
         return items + [self.function_call(c) for c in done.get("tool_calls") or []]
 
 
 async def create_response(client: InferenceClient, body: ResponsesRequest, ctx: RequestContext) -> HttpResponse:
+    await pool.ensure(client, body.model)
     payload = responses_payload(body)
     timeout = settings.HYPNOS.limits.request_timeout_secs
     builder = _Builder(body)

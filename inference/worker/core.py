@@ -33,11 +33,14 @@ from inference.errors import (
     ModelNotFound,
     ProcessMemoryCap,
     ServerError,
+    UnprocessableEntity,
 )
 from inference.worker.media import MEDIA_OPS, MediaWork, media_work, serve_media
+from inference.worker.pool import POOL_OPS, PoolChanging, change_pool, resubmit_after_change
 from memory.device import HardwareLimits, probe_device, process_memory_bytes
 from memory.kv_park import KvParking
 from memory.manager import Eviction, NoRoom, TierManager
+from memory.planner import MOE_OFFLOAD_MODES
 from memory.tiers import MemoryTier, Placement
 
 log = logging.getLogger(__name__)
@@ -47,7 +50,9 @@ Sink = Callable[[Event], None]
 # How often a request waiting for a slot looks at its cancel flag.
 SLOT_POLL_SECS = 0.05
 MIN_CONTEXT = 2048
-CONTROL_OPS = ("status", "memory_status", "move", "set_limits", "kv_park", "enable", "disable")
+# The context estimate's budget for one image (spec §7.1).
+IMAGE_CONTEXT_TOKENS = 576
+CONTROL_OPS = ("status", "memory_status", "move", "set_limits", "kv_park", "enable", "disable", "moe_offload")
 NO_ROOM_ERRORS = {"insufficient_vram_or_ram": InsufficientMemory, "process_memory_cap": ProcessMemoryCap}
 
 
@@ -67,6 +72,8 @@ class ModelRuntime:
     service_ms: float | None = None
     # Switched by POST /v1/models/{id}/enable|disable; starts as the config says.
     enabled: bool = field(init=False)
+    # Set while the model is being replaced or removed: new requests wait for it (worker/pool.py).
+    change_done: threading.Event | None = None
 
     def __post_init__(self) -> None:
         # Requests that may run at once: the model's execution slots.
@@ -92,7 +99,7 @@ def needed_context(work: ChatWork) -> int:
     if work.num_ctx:
         return work.num_ctx
     chars = sum(len(str(m.get("content") or "")) for m in work.messages) + len(work.raw_prompt or "")
-    return max(MIN_CONTEXT, chars // 3 + work.max_tokens)
+    return max(MIN_CONTEXT, chars // 3 + IMAGE_CONTEXT_TOKENS * len(work.images) + work.max_tokens)
 
 
 def hardware_limits(config: HypnosConfig) -> HardwareLimits:
@@ -113,7 +120,8 @@ class Worker:
         self.config = config
         self.device = probe_device(hardware_limits(config))
         self.tiers = TierManager(self.device, hardware_limits(config))
-        self.kv_parking = KvParking(config.hardware.kv_park, config.hardware.kv_park_max_bytes)
+        self.kv_parking = KvParking(config.hardware.kv_park, config.hardware.kv_park_max_bytes,
+                                    config.server.kv_idle_timeout_secs)
         self.models: dict[str, ModelRuntime] = {}
         self.names: dict[str, str] = {}
         for model in config.models:
@@ -121,11 +129,14 @@ class Worker:
             for name in [model.id, *model.aliases]:
                 self.names[name] = model.id
         self._lock = threading.Lock()
+        # One pool change (add, replace, remove) at a time updates `models` and `names`.
+        self._pool_lock = threading.Lock()
         # One placement decision (plan, evictions, booking) at a time; loads run outside it.
         self._placement_lock = threading.RLock()
         self._cancels: dict[str, threading.Event] = {}
         self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="hypnos-infer")
         self._staged = threading.Event()
+        self._stopping = threading.Event()
         self.started_at = time.time()
         # Cumulative, for /metrics: evictions of any kind (requests, moves, OOM, max_loaded_models).
         self.evictions_total = 0
@@ -135,6 +146,9 @@ class Worker:
     def start(self) -> None:
         """Stage the startup models in the background; the caller's port can open meanwhile."""
         threading.Thread(target=self._stage, name="hypnos-staging", daemon=True).start()
+        if self.config.server.kv_idle_timeout_secs is not None:
+            threading.Thread(target=self._empty_idle_slots, args=(self.config.server.kv_idle_timeout_secs,),
+                             name="hypnos-kv-idle", daemon=True).start()
 
     @property
     def ready(self) -> bool:
@@ -144,6 +158,7 @@ class Worker:
         return self._staged.wait(timeout)
 
     def shutdown(self) -> None:
+        self._stopping.set()
         for cancel in list(self._cancels.values()):
             cancel.set()
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -204,7 +219,7 @@ class Worker:
     def submit(self, request: dict[str, Any], sink: Sink) -> None:
         """Admit a request or refuse it at once; an admitted one runs on a worker thread.
         Control operations (status, memory_status, move) answer with one `result` event."""
-        if request.get("op") in CONTROL_OPS:
+        if request.get("op") in CONTROL_OPS or request.get("op") in POOL_OPS:
             self._executor.submit(self._control, request["op"], request.get("payload") or {}, sink)
             return
         try:
@@ -215,7 +230,7 @@ class Worker:
             if request["op"] in MEDIA_OPS:
                 work = media_work(runtime.config, request["op"], request["payload"])
             else:
-                if request["op"] != "chat" or runtime.config.modality != "text_generation":
+                if request["op"] != "chat" or runtime.config.modality not in ("text_generation", "vision"):
                     raise InvalidRequest(
                         f"The model {runtime.config.id!r} serves {runtime.config.modality}, not chat completions.",
                         param="model",
@@ -223,6 +238,9 @@ class Worker:
                 work = ChatWork(**request["payload"])
                 self._check_capabilities(runtime, work)
             estimate = self._admit(runtime, request.get("deadline_ms") or self._implicit_deadline_ms())
+        except PoolChanging as changing:
+            self._executor.submit(resubmit_after_change, self, changing.done, request, sink)
+            return
         except HypnosError as exc:
             sink(exc.as_event())
             return
@@ -257,9 +275,15 @@ class Worker:
                 placement = self.tiers.entries[runtime.config.id].placement if runtime.config.id in self.tiers.entries \
                     else Placement.on_disk(0)
                 result = {"model": runtime.config.id, "enabled": runtime.enabled, "placement": placement.as_dict()}
+            elif op == "moe_offload":
+                result = self.set_moe_offload(payload["model"], payload["mode"])
             elif op == "kv_park":
                 self.kv_parking.configure(payload.get("enabled"), payload.get("max_bytes"))
                 result = self.kv_parking.status()
+            elif op in POOL_OPS:
+                if not self.ready:
+                    raise ModelNotAvailable(STILL_STAGING)
+                result = change_pool(self, op, payload)
             elif op == "set_limits":
                 self.tiers.max_resident = payload.get("max_loaded_models")
                 result = {"max_loaded_models": self.tiers.max_resident}
@@ -277,7 +301,14 @@ class Worker:
 
     def _check_capabilities(self, runtime: ModelRuntime, work: ChatWork) -> None:
         engine = runtime.engine
-        if engine is None or not work.tools or work.tool_choice == "none":
+        if engine is None:
+            return
+        if work.images and "vision" not in engine.capabilities():
+            raise InvalidRequest(
+                f"The model {runtime.config.id!r} does not serve vision, so it cannot take image_url parts.",
+                param="messages",
+            )
+        if not work.tools or work.tool_choice == "none":
             return
         if "tools" not in engine.capabilities():
             raise InvalidRequest(
@@ -292,8 +323,11 @@ class Worker:
 
     def _admit(self, runtime: ModelRuntime, deadline_ms: float | None) -> float | None:
         """Count the request in, or refuse it (429 queue full, 503 deadline unmeetable); the
-        estimated wait before it starts, when one can be made."""
+        estimated wait before it starts, when one can be made. PoolChanging while the model is
+        being replaced or removed: the request is not counted and waits for the change."""
         with self._lock:
+            if runtime.change_done is not None:
+                raise PoolChanging(runtime.change_done)
             if runtime.admitted >= self.config.limits.max_queue_per_model:
                 raise ModelBusy(
                     f"The model {runtime.config.id!r} already has {runtime.admitted} requests queued or running "
@@ -374,10 +408,13 @@ class Worker:
         sink({"kind": "started", "previous_tier": str(switch.previous_tier)})
         sent = False
 
-        def on_delta(text: str, logprobs: list[dict[str, Any]] | None) -> None:
+        def on_delta(text: str, logprobs: list[dict[str, Any]] | None, reasoning: bool = False, /) -> None:
             nonlocal sent
             sent = True
-            sink({"kind": "delta", "text": text, "logprobs": logprobs})
+            if reasoning:
+                sink({"kind": "reasoning", "text": text})
+            else:
+                sink({"kind": "delta", "text": text, "logprobs": logprobs})
 
         started = time.perf_counter()
         try:
@@ -428,9 +465,13 @@ class Worker:
                 f"The model {runtime.config.id!r} cannot be served: its weights {weights} are missing "
                 "(./run.sh installs the default models)."
             )
+        aux = self.config.aux_file(runtime.config)
+        if aux is not None and not aux.exists():
+            raise ModelNotAvailable(f"The model {runtime.config.id!r} cannot be served: its aux file {aux} is missing.")
         # Unset means every core (llama-cpp-python's own default would be half of them).
-        engine = cls(runtime.config, weights, self.config.hardware.n_threads or os.cpu_count())
-        self.tiers.register(runtime.config.id, runtime.config.priority, engine.footprint())
+        engine = cls(runtime.config, weights, self.config.hardware.n_threads or os.cpu_count(),
+                     **({"aux": aux} if aux is not None else {}))
+        self.tiers.register(runtime.config.id, runtime.config.priority, engine.footprint(), runtime.config.moe_offload)
         runtime.engine = engine
         return engine
 
@@ -456,6 +497,7 @@ class Worker:
                 self.tiers.commit(model_id, MemoryTier.TIER1, placement)
             try:
                 engine.unload()
+                engine.cpu_expert_layers = placement.cpu_expert_layers
                 switch.phases = engine.load(wanted, placement.gpu_layers)
                 self._restore_parked(model_id, engine, switch.phases)
             except BaseException:
@@ -536,6 +578,45 @@ class Worker:
             self.tiers.release(model_id, served=False)
         return self.tiers.entries[model_id].placement
 
+    def set_moe_offload(self, name: str, mode: str) -> dict[str, Any]:
+        """POST /v1/models/{id}/moe-offload (spec §6): the mode of the model's next placement.
+        An idle resident model is unloaded to tier 2 so that its next request loads it with the
+        new placement ("now"); a busy one changes at its next load ("next_load"). A dense model
+        takes the mode and ignores it. Not written back to the config."""
+        if mode not in MOE_OFFLOAD_MODES:
+            raise UnprocessableEntity(f"Unknown moe_offload mode {mode!r}; use off, auto or on.", param="mode")
+        runtime = self.resolve(name, enabled_only=False)
+        model_id = runtime.config.id
+        with self._placement_lock:
+            engine = self._engine(runtime)
+            changed = self.tiers.entries[model_id].moe_offload != mode
+            self.tiers.set_moe_offload(model_id, mode)
+            busy = self.tiers.entries[model_id].leases > 0
+            if not busy:
+                self.tiers.lease(model_id, request=False)  # no request may load it meanwhile
+        if not busy:
+            try:
+                if changed and engine.loaded and engine.footprint().expert_bytes:
+                    with runtime.load_lock, self._placement_lock:
+                        self._demote(model_id, engine, MemoryTier.TIER2)
+            finally:
+                self.tiers.release(model_id, served=False)
+        return {"model": model_id, "moe_offload": mode, "applies": "next_load" if busy else "now",
+                "placement": self.tiers.entries[model_id].placement.as_dict()}
+
+    def _empty_idle_slots(self, idle_secs: float) -> None:
+        """server.kv_idle_timeout_secs: every few seconds, empty the KV of the slots of idle
+        loaded models whose conversation has not been served for `idle_secs`."""
+        while not self._stopping.wait(min(max(idle_secs / 4, 0.2), 30.0)):
+            for model_id, runtime in list(self.models.items()):
+                with self._placement_lock:
+                    entry = self.tiers.entries.get(model_id)
+                    # No lease: no request runs on the engine, and none can start meanwhile.
+                    if runtime.engine is not None and runtime.engine.loaded and entry is not None and not entry.leases:
+                        dropped = runtime.engine.empty_idle_slots(idle_secs)
+                        if dropped:
+                            log.info("%s: emptied %d tokens of KV idle for %gs", model_id, dropped, idle_secs)
+
     def _warm(self, runtime: ModelRuntime, engine: Engine) -> None:
         model_id = runtime.config.id
         with runtime.load_lock:
@@ -571,6 +652,7 @@ class Worker:
                 "loads": runtime.loads,
                 "problem": runtime.problem,
                 "enabled": runtime.enabled,
+                "config": runtime.config.model_dump(mode="json"),
             }
         return {"ready": self.ready, "simulated": self.device.simulated, "models": models}
 
@@ -586,10 +668,12 @@ class Worker:
                 "id": model_id,
                 "enabled": runtime.enabled,
                 "modality": config.modality,
-                # A chat model hears input_audio through its speech_to_text_model (spec §7.1).
-                "modalities": [config.modality, *(["speech_to_text"] if config.speech_to_text_model else [])],
+                # A chat model hears input_audio through its speech_to_text_model (spec §7.1)
+                # and sees images through its projector (aux_path).
+                "modalities": config.modalities,
                 "engine": config.engine,
-                "moe_offload": "off",
+                # Both replaced by the ledger's once the model's footprint is known.
+                "moe_offload": config.moe_offload,
                 "expert_bytes": 0,
                 "loads": runtime.loads,
                 "load_failures": runtime.load_failures,

@@ -23,7 +23,11 @@ async def test_the_catalog_lists_the_tested_models_and_what_is_installed(api):
     assert variant["installed"] is True and variant["outdated"] is False
     assert variant["files"][0]["present"] is True and variant["size_bytes"] == 98362432
     tools = (await api.get("/v1/models/catalog?modality=text_generation")).json()["data"]
-    assert len(tools) == len(body["data"])
+    assert [e["id"] for e in tools] == [e["id"] for e in body["data"] if e["modality"] == "text_generation"]
+    assert {"all-minilm-l6-v2", "whisper-tiny.en", "piper-joe"} <= set(entries) - {e["id"] for e in tools}
+    # A folder (the Whisper model) is present when it holds the listed bytes.
+    [whisper] = entries["whisper-tiny.en"]["variants"][0]["files"]
+    assert whisper["present"] is True and whisper["outdated"] is False and whisper["entry"] == "model.bin"
     assert (await api.get("/v1/models/catalog?modality=vision")).json()["data"] == []
 
 

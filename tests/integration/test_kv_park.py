@@ -3,6 +3,7 @@ restored when it returns, so the next turn evaluates only its new tokens."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import llama_cpp
@@ -94,3 +95,68 @@ async def test_the_cap_and_the_switch_apply_at_once(api, parking_worker):
     assert (await post_json(api, "/v1/memory/kv-park", {})).status_code == 400
     status = (await api.get("/v1/memory/status")).json()
     assert status["kv_park"]["enabled"] is True and status["kv_park"]["max_bytes"] == 1024
+
+
+def parking_config(settings, slots: int = 1, idle_secs: float | None = None):
+    return settings.HYPNOS.model_copy(update={
+        "models": [settings.HYPNOS.models[0].model_copy(update={"slots": slots})],
+        "hardware": settings.HYPNOS.hardware.model_copy(update={"kv_park": True}),
+        "server": settings.HYPNOS.server.model_copy(update={"kv_idle_timeout_secs": idle_secs}),
+    })
+
+
+@pytest.fixture
+def idle_timeout_worker(settings, use_worker) -> Iterator[Worker]:
+    worker = use_worker(Worker(parking_config(settings, idle_secs=1.0)))
+    worker.start()
+    assert worker.wait_ready(60)
+    yield worker
+    worker.shutdown()
+
+
+@pytest.fixture
+def two_slot_worker(settings, use_worker) -> Iterator[Worker]:
+    worker = use_worker(Worker(parking_config(settings, slots=2)))
+    worker.start()
+    assert worker.wait_ready(60)
+    yield worker
+    worker.shutdown()
+
+
+def cached(response: dict) -> int:
+    return response["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+
+async def test_a_conversation_idle_past_the_timeout_is_emptied_and_not_parked(api, idle_timeout_worker):
+    history = [SYSTEM, {"role": "user", "content": "Name a color."}]
+    first = await turn(api, history)
+    again = await turn(api, history)  # within the timeout the prefix is reused
+    assert cached(again) >= first["usage"]["prompt_tokens"] - 1
+    await asyncio.sleep(1.6)  # the sweep (every 0.25 s here) empties the slot after 1 s idle
+    assert cached(await turn(api, history)) == 0
+    await asyncio.sleep(1.6)
+    await swap_out_and_back(api)
+    assert (await api.get("/v1/memory/kv-park")).json()["models"] == []
+
+
+async def test_every_used_slot_is_parked_and_restored_to_its_sequence(api, two_slot_worker):
+    # Both requests run at once, so each holds its own slot (sequence 0 and 1).
+    conversations = [[SYSTEM, {"role": "user", "content": "List five fruits and say why you like each."}],
+                     [SYSTEM, {"role": "user", "content": "List five countries and their capitals."}]]
+    bodies = [{"model": SMOL, "messages": c, "max_tokens": 40, "temperature": 0} for c in conversations]
+    firsts = [r.json() for r in await asyncio.gather(*[post_json(api, URL, b) for b in bodies])]
+    assert max(f["hypnos_telemetry"]["engine"]["concurrent_slots"] for f in firsts) == 2
+    await swap_out_and_back(api)
+    [parked] = (await api.get("/v1/memory/kv-park")).json()["models"]
+    assert parked["slots"] == 2
+    assert parked["tokens"] >= sum(f["usage"]["prompt_tokens"] for f in firsts)
+
+    seconds = []
+    for conversation, first in zip(conversations, firsts, strict=True):
+        history = conversation + [first["choices"][0]["message"], {"role": "user", "content": "Thanks!"}]
+        seconds.append(await turn(api, history))
+    phases = seconds[0]["hypnos_telemetry"]["tier_switch_phases"]
+    assert phases["kv_restored_tokens"] == parked["tokens"]
+    for first, second in zip(firsts, seconds, strict=True):
+        # Each conversation found its whole previous prompt in the slot it was restored to.
+        assert cached(second) >= first["usage"]["prompt_tokens"]

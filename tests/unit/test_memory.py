@@ -8,9 +8,10 @@ import pytest
 
 from hypnos_site.config import BASE_DIR, load_config
 from memory.device import DeviceCapabilities, Device, HardwareLimits, probe_device
-from memory.gguf import read_gguf
+from memory.gguf import GgufInfo, GgufTensor, read_gguf
+from memory.kv_park import KvParking, ParkedSlot, ParkedState
 from memory.manager import DecayingRate, NoRoom, TierManager
-from memory.planner import Footprint, footprint_from_gguf, plan_placement
+from memory.planner import Footprint, footprint_from_gguf, footprint_from_info, plan_placement
 from memory.tiers import MemoryTier
 
 MB = 1_000_000
@@ -166,3 +167,132 @@ def test_the_gguf_reader_matches_what_llama_cpp_allocates():
     assert fp.kv_bytes(4096) == 90 * 2**20
     assert abs(fp.weights_bytes - 92.10 * 2**20) < 0.01 * 2**20
     assert fp.trained_context_len == 8192
+
+
+# MoE offload: 10 layers of 10 MB, 8 MB of each being routed experts (80 MB of experts).
+MOE = Footprint(layer_bytes=(10 * MB,) * 10, other_bytes=20 * MB, kv_bytes_per_token=1000, workspace_bytes=30 * MB,
+                layer_expert_bytes=(8 * MB,) * 10)
+
+
+def test_moe_offload_auto_moves_the_experts_of_as_few_layers_as_needed_before_any_split():
+    # Whole it needs 160 MB; 8 MB of experts per layer to host memory: 3 layers for 140 MB.
+    plan = plan_placement(MOE, CTX, 140 * MB, 0.5, "auto")
+    assert plan is not None and (plan.gpu_layers, plan.pinned_ram_layers, plan.cpu_expert_layers) == (10, 0, 3)
+    assert plan.vram_weight_bytes == 120 * MB - 24 * MB and plan.pinned_ram_bytes == 24 * MB
+    assert plan.vram_kv_and_workspace_bytes == 40 * MB  # the KV stays on the GPU
+    # With the mode off the same budget splits the layers instead.
+    off = plan_placement(MOE, CTX, 140 * MB, 0.5, "off")
+    assert off is not None and off.gpu_layers < 10 and off.cpu_expert_layers == 0
+
+
+def test_moe_offload_auto_changes_nothing_when_the_model_fits_whole():
+    plan = plan_placement(MOE, CTX, 160 * MB, 0.5, "auto")
+    assert plan is not None and plan.cpu_expert_layers == 0 and plan.pinned_ram_bytes == 0
+
+
+def test_moe_offload_on_keeps_every_layers_experts_in_host_memory():
+    plan = plan_placement(MOE, CTX, 1000 * MB, 0.5, "on")
+    assert plan is not None and (plan.gpu_layers, plan.cpu_expert_layers) == (10, 10)
+    assert plan.vram_weight_bytes == 40 * MB and plan.pinned_ram_bytes == 80 * MB
+
+
+def test_moe_offload_auto_splits_layers_with_every_expert_offloaded_when_even_that_does_not_fit():
+    # All experts out: 40 MB weights + 40 MB KV/workspace = 80 MB; 70 MB needs a split. Without
+    # the experts a layer is 2 MB + 1 MB of KV: k layers cost 3k + 30 MB -> k = 9 (with 20 MB of
+    # other tensors then in host memory as well).
+    plan = plan_placement(MOE, CTX, 70 * MB, 0.5, "auto")
+    assert plan is not None and (plan.gpu_layers, plan.pinned_ram_layers, plan.cpu_expert_layers) == (9, 1, 10)
+    assert plan.vram_weight_bytes == 9 * 2 * MB
+    assert plan.pinned_ram_bytes == 120 * MB - 18 * MB + 1 * MB
+    # With experts following their layer the same budget is below the minimum layer ratio.
+    assert plan_placement(MOE, CTX, 70 * MB, 0.5, "off") is None
+
+
+def test_a_dense_model_ignores_the_moe_offload_mode():
+    assert FP.expert_bytes == 0
+    for mode in ("off", "auto", "on"):
+        assert plan_placement(FP, CTX, 160 * MB, 0.5, mode) == plan_placement(FP, CTX, 160 * MB, 0.5, "off")
+        tight = plan_placement(FP, CTX, 100 * MB, 0.5, mode)
+        assert tight is not None and (tight.gpu_layers, tight.cpu_expert_layers) == (6, 0)
+
+
+def test_the_manager_evicts_an_idle_model_before_offloading_experts_and_offloads_before_splitting():
+    tm = manager(tier1=300 * MB)
+    resident(tm, "idle")  # 160 MB
+    tm.register("moe", "normal", MOE, moe_offload="auto")
+    # 140 MB free: the whole model (160 MB) fits only by evicting; offloading 3 layers' experts
+    # would need no eviction, but a whole placement with its experts on the GPU comes first.
+    promotion = tm.plan_promotion("moe", CTX)
+    assert promotion.placement.cpu_expert_layers == 0 and [e.model for e in promotion.evictions] == ["idle"]
+    tm.lease("idle")  # now the idle model cannot go: the experts of 3 layers move instead
+    promotion = tm.plan_promotion("moe", CTX)
+    assert promotion.evictions == [] and promotion.placement.cpu_expert_layers == 3
+    assert promotion.placement.gpu_layers == 10
+    status = tm.model_status("moe")
+    assert status["moe_offload"] == "auto" and status["expert_bytes"] == 80 * MB
+
+
+def test_the_moe_offload_mode_can_change_between_placements():
+    tm = manager(tier1=1000 * MB)
+    tm.register("moe", "normal", MOE)
+    assert tm.plan_promotion("moe", CTX).placement.cpu_expert_layers == 0
+    tm.set_moe_offload("moe", "on")
+    placement = tm.plan_promotion("moe", CTX).placement
+    assert placement.cpu_expert_layers == 10 and placement.pinned_ram_bytes == 80 * MB
+
+
+def test_the_gguf_reader_finds_the_expert_tensors_of_each_layer():
+    info = GgufInfo({"general.architecture": "qwen3moe", "qwen3moe.block_count": 2}, tensors=[
+        GgufTensor("token_embd.weight", 100),
+        GgufTensor("blk.0.attn_q.weight", 10),
+        GgufTensor("blk.0.ffn_gate_inp.weight", 3),
+        GgufTensor("blk.0.ffn_up_exps.weight", 40),
+        GgufTensor("blk.0.ffn_down_exps.weight", 40),
+        GgufTensor("blk.0.ffn_gate_exps.weight", 40),
+        GgufTensor("blk.0.ffn_up_shexp.weight", 7),
+        GgufTensor("blk.1.attn_q.weight", 10),
+        GgufTensor("blk.1.ffn_gate_up_exps.weight", 80),
+    ])
+    fp = footprint_from_info(info)
+    assert fp.layer_expert_bytes == (120, 80) and fp.expert_bytes == 200
+    assert fp.layer_bytes == (140, 90) and fp.other_bytes == 100
+
+
+def test_a_dense_gguf_has_no_expert_bytes():
+    fp = footprint_from_gguf(smollm2_path())
+    assert fp.layer_expert_bytes == () and fp.expert_bytes == 0
+
+
+def parked(clock: Clock, *used_ago: float) -> ParkedState:
+    slots = tuple(ParkedSlot(seq, (1, 2, 3), b"x" * 100, clock.now - ago) for seq, ago in enumerate(used_ago))
+    return ParkedState(layout=("ctx",), slots=slots, parked_at=clock.now)
+
+
+def test_parked_slots_idle_past_the_kv_idle_timeout_are_dropped():
+    clock = Clock()
+    parking = KvParking(True, 10_000, idle_timeout_secs=60, clock=clock)
+    assert parking.park("m", parked(clock, 10, 50))
+    [row] = parking.status()["models"]
+    assert (row["slots"], row["tokens"], row["bytes"]) == (2, 6, 200)
+    clock.now += 20  # the slot served 50 s before parking is now 70 s idle
+    [row] = parking.status()["models"]
+    assert (row["slots"], row["bytes"]) == (1, 100) and parking.status()["used_bytes"] == 100
+    clock.now += 40
+    assert parking.status()["models"] == [] and parking.take("m", ("ctx",)) is None
+
+
+def test_a_state_whose_slots_are_all_idle_too_long_is_not_parked():
+    clock = Clock()
+    parking = KvParking(True, 10_000, idle_timeout_secs=60, clock=clock)
+    assert not parking.park("m", parked(clock, 61))
+    assert parking.status()["models"] == []
+
+
+def test_without_an_idle_timeout_a_parked_state_is_kept_until_taken():
+    clock = Clock()
+    parking = KvParking(True, 10_000, clock=clock)
+    parking.park("m", parked(clock, 10_000, 0))
+    clock.now += 86_400
+    state = parking.take("m", ("ctx",))
+    assert state is not None and [s.seq for s in state.slots] == [0, 1]
+    assert parking.take("m", ("ctx",)) is None

@@ -6,12 +6,14 @@ import asyncio
 import logging
 import signal
 
+from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from inference.worker import Worker
 from inference.worker.channel_server import ChannelServer
+from models_registry.overlay import with_overlay
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +29,8 @@ class Command(BaseCommand):
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        worker = Worker(settings.HYPNOS)
+        # The pool: the config file's models with the run-time changes kept in the database.
+        worker = Worker(await sync_to_async(with_overlay)(settings.HYPNOS))
         worker.start()
         server = ChannelServer(worker, get_channel_layer())
         try:

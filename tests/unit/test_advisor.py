@@ -1,0 +1,202 @@
+"""The lineup advisor (spec §6 POST /v1/advisor), table-tested on the real catalog's estimates and
+on small synthetic catalogs (no model file, no Django request)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hypnos_site.config import BASE_DIR, DEFAULT_MODELS, HardwareConfig, HypnosConfig, ModelConfig
+from models_registry.advisor import NoLineup, bits_per_weight, recommend
+from models_registry.catalog import Catalog, config_block, load_catalog
+from models_registry.machine import GIB, Machine, derive_budgets, resolve_machine
+from models_registry.management.commands.advise import byte_size
+
+MIB = 1 << 20
+CATALOG = load_catalog(BASE_DIR / "models.catalog.toml")
+GPU_24G = Machine(vram_bytes=24 * GIB, ram_bytes=64 * GIB, unified_memory=False)
+LAPTOP = Machine(vram_bytes=0, ram_bytes=16 * GIB, unified_memory=False)
+
+
+@pytest.fixture
+def no_files(tmp_path: Path) -> Path:
+    """An empty models_dir: every footprint comes from the catalog's estimates."""
+    return tmp_path
+
+
+def by_id(advice: Any) -> dict[str, dict[str, Any]]:
+    return {m["id"]: m for m in advice.as_dict()["models"]}
+
+
+def config_of(advice: Any) -> HypnosConfig:
+    return HypnosConfig.model_validate(tomllib.loads(advice.config))
+
+
+def test_it_picks_the_largest_chat_model_with_whisper_and_piper_on_a_24_gib_gpu(no_files):
+    advice = recommend(CATALOG, ["chat", "voice", "documents"], GPU_24G, no_files)
+    answer = advice.as_dict()
+    models = by_id(advice)
+    assert set(models) == {"qwen2.5-coder-1.5b", "whisper-tiny.en", "piper-joe"}
+    assert models["qwen2.5-coder-1.5b"]["serves"] == ["chat", "voice"]
+    assert models["whisper-tiny.en"]["serves"] == ["voice"] and models["piper-joe"]["serves"] == ["voice"]
+    assert all(m["initial_tier"] == "tier1_gpu_vram" and not m["runs_on_cpu"] for m in models.values())
+    assert answer["budgets"] == {"tier1_bytes": 24 * GIB - 512 * MIB, "tier2_bytes": 32 * GIB, "unified_memory": False}
+    assert answer["interactive_coresident"] is True
+    assert answer["interactive_bytes"] == sum(m["resident_bytes"] for m in models.values())
+    assert any(w.startswith("documents: document_conversion") for w in answer["warnings"])
+    assert answer["specs"] == ["qwen2.5-coder-1.5b:Q4_K_M", "whisper-tiny.en:fp16", "piper-joe:fp32"]
+    config = config_of(advice)
+    chat = next(m for m in config.models if m.id == "qwen2.5-coder-1.5b")
+    assert chat.speech_to_text_model == "whisper-tiny.en" and chat.priority == "high"
+    assert config.hardware == HardwareConfig()  # a real GPU: the server measures it
+
+
+def test_a_laptop_without_gpu_gets_tier_1_in_host_memory_and_a_config_that_says_so(no_files):
+    advice = recommend(CATALOG, ["chat", "voice", "embeddings"], LAPTOP, no_files)
+    answer = advice.as_dict()
+    assert answer["budgets"] == {"tier1_bytes": 4 * GIB, "tier2_bytes": 8 * GIB, "unified_memory": False}
+    models = by_id(advice)
+    assert set(models) == {"qwen2.5-coder-1.5b", "whisper-tiny.en", "piper-joe", "all-minilm-l6-v2"}
+    assert all(m["runs_on_cpu"] for m in models.values())
+    assert answer["interactive_coresident"] is True and answer["warnings"] == []
+    config = config_of(advice)
+    assert config.hardware.simulated_vram_bytes == 4 * GIB
+    assert next(m for m in config.models if m.id == "all-minilm-l6-v2").aliases == ["text-embedding-3-small"]
+
+
+def test_a_machine_too_small_for_any_chat_model_gets_no_lineup(no_files):
+    with pytest.raises(NoLineup, match="text_generation needs a model, and the smallest, smollm2-135m:Q4_1"):
+        recommend(CATALOG, ["chat"], Machine(vram_bytes=0, ram_bytes=256 * MIB, unified_memory=False), no_files)
+
+
+def test_needs_that_no_catalog_model_serves_alone_get_no_lineup(no_files):
+    with pytest.raises(NoLineup, match="No catalog model serves any of the needs"):
+        recommend(CATALOG, ["documents", "entities"], GPU_24G, no_files)
+
+
+@pytest.mark.parametrize(
+    ("machine", "tier1", "tier2"),
+    [
+        (Machine(24 * GIB, 64 * GIB, False), 24 * GIB - 512 * MIB, 32 * GIB),
+        (Machine(0, 16 * GIB, False), 4 * GIB, 8 * GIB),
+        # Little RAM: tier 1 and the warm budget share it.
+        (Machine(0, 4 * GIB, False), 2 * GIB, 2 * GIB),
+        # Metal's working set: two thirds up to 36 GiB, three quarters above; 4 GiB for the OS.
+        (Machine(0, 32 * GIB, True), 32 * GIB * 2 // 3, 28 * GIB - 32 * GIB * 2 // 3),
+        (Machine(0, 128 * GIB, True), 96 * GIB, 28 * GIB),
+    ],
+)
+def test_the_budgets_are_the_servers(machine, tier1, tier2):
+    budgets = derive_budgets(machine, HardwareConfig())
+    assert (budgets.tier1_bytes, budgets.tier2_bytes) == (tier1, tier2)
+
+
+def test_unified_memory_ignores_vram_and_writes_both_budgets(no_files):
+    machine = resolve_machine(24 * GIB, 32 * GIB, True, HardwareConfig())
+    assert machine == Machine(vram_bytes=0, ram_bytes=32 * GIB, unified_memory=True)
+    advice = recommend(CATALOG, ["chat"], machine, no_files)
+    hardware = config_of(advice).hardware
+    assert hardware.simulated_vram_bytes == advice.budgets.tier1_bytes
+    assert hardware.pinned_ram_budget_bytes == advice.budgets.tier2_bytes
+
+
+def test_given_vram_means_a_discrete_gpu_unless_unified_is_said():
+    assert resolve_machine(8 * GIB, 32 * GIB, None, HardwareConfig()).unified_memory is False
+
+
+# -- the choice, on synthetic catalogs ----------------------------------------------------------
+
+
+def entry(model_id: str, modality: str, params: int, weights: int, *, layers: int = 0, kv: int = 0,
+          workspace: int = 0, context: int = 4096, engine: str = "ggml_llama") -> dict[str, Any]:
+    return {
+        "id": model_id, "name": model_id, "publisher": "test", "license": "mit", "architecture": "llama",
+        "modality": modality, "engine": engine, "summary": "synthetic",
+        "variants": [{
+            "quant": "Q8_0", "default": True, "context_len": context,
+            "estimate": {"params": params, "num_layers": layers, "kv_bytes_per_token": kv,
+                         "workspace_bytes": workspace},
+            "files": [{"role": "weights", "package": f"{model_id}==1", "local": f"{model_id}.bin", "size": weights}],
+        }],
+    }
+
+
+def catalog(*entries: dict[str, Any]) -> Catalog:
+    return Catalog.model_validate({"catalog_version": 1, "tested_architectures": ["llama"], "models": list(entries)})
+
+
+SPEECH = [entry("stt", "speech_to_text", 40_000_000, 300 * MIB, engine="ggml_whisper"),
+          entry("tts", "text_to_speech", 80_000_000, 300 * MIB, engine="onnx_runtime")]
+GPU_2G = Machine(vram_bytes=2 * GIB + 512 * MIB, ram_bytes=16 * GIB, unified_memory=False)  # tier 1: 2 GiB
+
+
+def chat(model_id: str, params: int, mib: int, **kw: Any) -> dict[str, Any]:
+    return entry(model_id, "text_generation", params, mib * MIB, layers=10, **kw)
+
+
+def test_a_much_larger_chat_model_wins_over_keeping_the_voice_models_resident(no_files):
+    # big (1.9 GiB) leaves no room for the speech models; small fits with them.
+    advice = recommend(catalog(chat("big", 4_000_000_000, 1900), chat("small", 1_000_000_000, 1200), *SPEECH),
+                       ["voice"], GPU_2G, no_files)
+    models = by_id(advice)
+    assert "big" in models and models["big"]["initial_tier"] == "tier1_gpu_vram"
+    assert advice.plan.coresident is False
+    assert any("do not fit tier 1 together" in w for w in advice.warnings)
+
+
+def test_keeping_the_voice_models_resident_beats_a_slightly_larger_chat_model(no_files):
+    advice = recommend(catalog(chat("big", 1_200_000_000, 1900), chat("small", 1_000_000_000, 1200), *SPEECH),
+                       ["voice"], GPU_2G, no_files)
+    assert set(by_id(advice)) == {"small", "stt", "tts"} and advice.plan.coresident is True
+
+
+def test_a_chat_model_gets_8k_context_when_that_keeps_the_lineup_resident(no_files):
+    # 32k tokens of 20 KB KV (640 MiB) do not fit beside the speech models; 8k (160 MiB) do.
+    long = chat("long", 1_000_000_000, 900, kv=20 * 1024, context=32768)
+    advice = recommend(catalog(long, *SPEECH), ["voice"], GPU_2G, no_files)
+    models = by_id(advice)
+    assert models["long"]["context_len"] == 8192 and advice.plan.coresident is True
+    assert any(w.startswith("long: 8192 tokens of context") for w in advice.warnings)
+    assert next(m for m in config_of(advice).models if m.id == "long").context_len == 8192
+
+
+def test_a_chat_model_that_only_partly_fits_is_split_and_scored_down(no_files):
+    # 10 layers of 250 MiB in a 2 GiB tier 1: 8 fit, worth 3B * 0.75 * 8/10 = 1.8B; a whole 1.4B
+    # model with the resident bonus is worth 1.75B, so the split model wins, with a warning.
+    advice = recommend(catalog(chat("huge", 3_000_000_000, 2500), chat("mid", 1_400_000_000, 1500)),
+                       ["chat"], GPU_2G, no_files)
+    [model] = advice.as_dict()["models"]
+    assert model["id"] == "huge" and (model["gpu_layers"], model["num_layers"]) == (8, 10)
+    assert any("only 8 of 10 layers fit tier 1" in w for w in advice.warnings)
+    # A model as large as the split one's worth goes whole instead.
+    advice = recommend(catalog(chat("huge", 3_000_000_000, 2500), chat("mid", 1_900_000_000, 1500)),
+                       ["chat"], GPU_2G, no_files)
+    assert advice.as_dict()["models"][0]["id"] == "mid"
+
+
+def test_bits_per_weight_come_from_llama_cpp_and_plain_names():
+    assert bits_per_weight("Q8_0") == 8.5 and bits_per_weight("Q4_1") == 5.0
+    assert bits_per_weight("Q4_K_M") == 4.89 and bits_per_weight("fp16") == 16
+    assert bits_per_weight("mystery") is None
+
+
+@pytest.mark.parametrize(("text", "size"), [("24G", 24 * GIB), ("512M", 512 * MIB), ("64GiB", 64 * GIB),
+                                            ("1.5G", 3 * GIB // 2), ("25769803776", 24 * GIB)])
+def test_the_command_reads_binary_sizes(text, size):
+    assert byte_size(text) == size
+
+
+# -- the catalog entries the advisor adds to --------------------------------------------------
+
+
+@pytest.mark.parametrize("model_id", ["all-minilm-l6-v2", "whisper-tiny.en", "piper-joe"])
+def test_the_catalog_block_runs_a_media_model_as_the_default_lineup_does(model_id):
+    entry_ = next(e for e in CATALOG.models if e.id == model_id)
+    [block] = tomllib.loads(config_block(entry_, entry_.variants[0]))["models"]
+    built = ModelConfig.model_validate(block)
+    default = next(m for m in DEFAULT_MODELS if m.id == model_id)
+    keys = ("modality", "engine", "weights_path", "package", "package_path", "aliases")
+    assert {k: getattr(built, k) for k in keys} == {k: getattr(default, k) for k in keys}

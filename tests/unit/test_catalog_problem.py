@@ -1,0 +1,44 @@
+"""GET /v1/models/catalog's `problem`: downloaded weights of another architecture than listed."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+from hypnos_site.config import HypnosConfig, ServerConfig
+from models_registry.catalog import Catalog, describe
+
+
+def tiny_gguf(path: Path, architecture: str) -> int:
+    key, value = b"general.architecture", architecture.encode()
+    data = (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+            + struct.pack("<IQ", 8, len(value)) + value)
+    path.write_bytes(data)
+    return len(data)
+
+
+def catalog_of(architecture: str, size: int) -> Catalog:
+    return Catalog.model_validate({
+        "catalog_version": 1, "tested_architectures": ["llama", "qwen2"],
+        "models": [{
+            "id": "m", "name": "M", "publisher": "P", "license": "mit", "architecture": architecture,
+            "modality": "text_generation", "engine": "ggml_llama", "summary": "s",
+            "variants": [{"quant": "Q4_0", "default": True, "files": [
+                {"role": "weights", "repo": "org/m-GGUF", "remote": "m.gguf", "local": "m.gguf", "size": size}]}],
+        }],
+    })
+
+
+def test_weights_of_another_architecture_are_a_problem(tmp_path):
+    size = tiny_gguf(tmp_path / "m.gguf", "qwen2")
+    config = HypnosConfig(server=ServerConfig(models_dir=str(tmp_path)), models=[])
+    [variant] = describe(config, catalog_of("llama", size))["data"][0]["variants"]
+    assert variant["installed"] is True and variant["problem"] == "m.gguf reports the architecture 'qwen2', not 'llama'"
+    [variant] = describe(config, catalog_of("qwen2", size))["data"][0]["variants"]
+    assert "problem" not in variant
+
+
+def test_weights_not_yet_downloaded_are_no_problem(tmp_path):
+    config = HypnosConfig(server=ServerConfig(models_dir=str(tmp_path)), models=[])
+    [variant] = describe(config, catalog_of("llama", 10))["data"][0]["variants"]
+    assert variant["installed"] is False and "problem" not in variant

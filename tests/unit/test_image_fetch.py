@@ -1,0 +1,174 @@
+"""Image inputs of chat (spec §7.1): data: URLs, remote fetches and the private-address guard,
+against real HTTP servers on loopback addresses."""
+
+from __future__ import annotations
+
+import base64
+import io
+import ipaddress
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from PIL import Image
+
+from inference.errors import InvalidRequest
+from inference.serving.image_input import ImagePolicy, is_public, load_image
+
+MIB = 1 << 20
+
+
+def png(size: tuple[int, int] = (8, 8), color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, format="PNG")
+    return out.getvalue()
+
+
+PNG = png()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        status, headers, body = self.routes.get(self.path, (404, {}, b"no such image"))
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def _serve(host: str, routes: dict[str, tuple[int, dict[str, str], bytes]]) -> Iterator[str]:
+    handler = type("Handler", (_Handler,), {"routes": routes})
+    server = ThreadingHTTPServer((host, 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://{host}:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def private_server() -> Iterator[str]:
+    """An image server on 127.0.0.1: a private (loopback) host."""
+    yield from _serve("127.0.0.1", {"/cat.png": (200, {"Content-Type": "image/png"}, PNG),
+                                    "/big.png": (200, {"Content-Type": "image/png"}, png((600, 600)) + b"\0" * MIB),
+                                    "/text": (200, {"Content-Type": "text/plain"}, b"not an image")})
+
+
+@pytest.fixture
+def stand_in_public_server(private_server: str) -> Iterator[tuple[str, str]]:
+    """A server on 127.0.0.2 that the tests' policy treats as a public host; it redirects to
+    the private one. Yields (its base URL, the private base URL)."""
+    routes = {"/cat.png": (200, {"Content-Type": "image/png"}, PNG),
+              "/to-private": (302, {"Location": f"{private_server}/cat.png"}, b""),
+              "/to-localhost": (302, {"Location": private_server.replace("127.0.0.1", "localhost") + "/cat.png"}, b""),
+              "/loop": (302, {"Location": "/loop"}, b"")}
+    for base in _serve("127.0.0.2", routes):
+        yield base, private_server
+
+
+def policy(**overrides: object) -> ImagePolicy:
+    values: dict[str, object] = {"max_bytes": 32 * MIB, "allow_remote": True, "allow_private": False, **overrides}
+    return ImagePolicy(**values)  # type: ignore[arg-type]
+
+
+def treating_127_0_0_2_as_public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Test stand-in: the one loopback address the redirect tests play a public host on."""
+    return address == ipaddress.ip_address("127.0.0.2") or is_public(address)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254",
+                                     "100.64.0.1", "0.0.0.0", "224.0.0.1", "239.255.255.250", "255.255.255.255",
+                                     "::1", "fe80::1", "fc00::1", "::ffff:127.0.0.1", "::ffff:10.0.0.1", "ff02::1"])
+def test_it_counts_non_public_addresses_as_such(address):
+    assert not is_public(ipaddress.ip_address(address))
+
+
+@pytest.mark.parametrize("address", ["8.8.8.8", "1.1.1.1", "2001:4860:4860::8888", "::ffff:8.8.8.8"])
+def test_it_counts_public_addresses_as_public(address):
+    assert is_public(ipaddress.ip_address(address))
+
+
+async def test_it_decodes_a_data_url():
+    assert await load_image(data_url(PNG), policy()) == PNG
+
+
+async def test_it_refuses_a_data_url_above_max_image_bytes():
+    with pytest.raises(InvalidRequest) as caught:
+        await load_image(data_url(PNG), policy(max_bytes=len(PNG) - 1))
+    assert caught.value.status == 400 and "max_image_bytes" in caught.value.message
+
+
+async def test_it_refuses_bad_base64_and_non_images():
+    with pytest.raises(InvalidRequest, match="base64"):
+        await load_image("data:image/png;base64,@@@@", policy())
+    with pytest.raises(InvalidRequest, match="does not hold an image"):
+        await load_image(data_url(b"hello, world", "text/plain"), policy())
+    with pytest.raises(InvalidRequest, match="data: URL or an http"):
+        await load_image("ftp://example.com/cat.png", policy())
+
+
+async def test_it_refuses_remote_urls_when_they_are_off(private_server):
+    with pytest.raises(InvalidRequest, match="allow_remote_image_urls"):
+        await load_image(f"{private_server}/cat.png", policy(allow_remote=False, allow_private=True))
+
+
+async def test_it_refuses_a_loopback_host_by_default(private_server):
+    with pytest.raises(InvalidRequest) as caught:
+        await load_image(f"{private_server}/cat.png", policy())
+    assert "'127.0.0.1'" in caught.value.message and "allow_private_urls" in caught.value.message
+
+
+async def test_it_refuses_localhost_by_name(private_server):
+    with pytest.raises(InvalidRequest, match="'localhost' resolves to a non-public address"):
+        await load_image(private_server.replace("127.0.0.1", "localhost") + "/cat.png", policy())
+
+
+async def test_it_fetches_a_loopback_host_with_allow_private_urls(private_server):
+    assert await load_image(f"{private_server}/cat.png", policy(allow_private=True)) == PNG
+
+
+async def test_it_fetches_from_a_public_host(stand_in_public_server):
+    public, _ = stand_in_public_server
+    assert await load_image(f"{public}/cat.png", policy(public=treating_127_0_0_2_as_public)) == PNG
+
+
+async def test_it_refuses_a_redirect_to_a_private_address(stand_in_public_server):
+    public, _ = stand_in_public_server
+    for path, host in (("/to-private", "'127.0.0.1'"), ("/to-localhost", "'localhost'")):
+        with pytest.raises(InvalidRequest) as caught:
+            await load_image(f"{public}{path}", policy(public=treating_127_0_0_2_as_public))
+        assert host in caught.value.message
+
+
+async def test_it_follows_a_redirect_to_a_private_address_with_allow_private_urls(stand_in_public_server):
+    public, _ = stand_in_public_server
+    assert await load_image(f"{public}/to-private", policy(allow_private=True)) == PNG
+
+
+async def test_it_stops_a_redirect_loop(stand_in_public_server):
+    public, _ = stand_in_public_server
+    with pytest.raises(InvalidRequest, match="redirects more than"):
+        await load_image(f"{public}/loop", policy(public=treating_127_0_0_2_as_public))
+
+
+async def test_it_refuses_a_download_above_max_image_bytes_and_other_failures(private_server):
+    with pytest.raises(InvalidRequest, match="max_image_bytes"):
+        await load_image(f"{private_server}/big.png", policy(allow_private=True, max_bytes=MIB))
+    with pytest.raises(InvalidRequest, match="HTTP 404"):
+        await load_image(f"{private_server}/missing.png", policy(allow_private=True))
+    with pytest.raises(InvalidRequest, match="does not hold an image"):
+        await load_image(f"{private_server}/text", policy(allow_private=True))

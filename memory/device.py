@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import psutil
@@ -43,6 +43,11 @@ class HardwareLimits:
     pinned_ram_budget_bytes: int | None
     max_process_memory_bytes: int | None
     min_gpu_layer_ratio: float
+
+    @classmethod
+    def of(cls, hardware: Any) -> HardwareLimits:
+        """The limits of a config's [hardware] section (any object with these attributes)."""
+        return cls(**{f.name: getattr(hardware, f.name) for f in fields(cls)})
 
 
 class Device:

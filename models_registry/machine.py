@@ -55,7 +55,7 @@ def derive_budgets(machine: Machine, hardware: HardwareConfig) -> Budgets:
         working_set = ram * 2 // 3 if ram <= METAL_SMALL_MACHINE else ram * 3 // 4
         tier1 = min(working_set, usable)
         return Budgets(tier1, min(ram // 2, usable - tier1), unified_memory=True, gpu=True)
-    tier2 = warm_ram_budget(_limits(hardware), ram)
+    tier2 = warm_ram_budget(HardwareLimits.of(hardware), ram)
     if machine.vram_bytes:
         return Budgets(max(machine.vram_bytes - hardware.vram_reserve_bytes, 0), tier2, unified_memory=False, gpu=True)
     # Without a GPU tier 1 is simulated_vram_bytes of host memory, beside the warm budget.
@@ -64,7 +64,7 @@ def derive_budgets(machine: Machine, hardware: HardwareConfig) -> Budgets:
 
 def this_machine(hardware: HardwareConfig) -> Machine:
     """The machine this server runs on: its GPU as NVML reports it (none: 0), its memory."""
-    caps = probe_device(_limits(hardware)).capabilities
+    caps = probe_device(HardwareLimits.of(hardware)).capabilities
     unified = sys.platform == "darwin" and platform.machine() == "arm64"
     vram = 0 if caps.simulated or unified else caps.total_vram_bytes
     return Machine(vram_bytes=vram, ram_bytes=caps.installed_memory_bytes, unified_memory=unified)
@@ -87,15 +87,6 @@ def resolve_machine(vram_bytes: int | None, ram_bytes: int | None, unified_memor
     ram = ram_bytes if ram_bytes is not None else here().ram_bytes
     return Machine(vram_bytes=vram, ram_bytes=ram, unified_memory=unified_memory)
 
-
-def _limits(hardware: HardwareConfig) -> HardwareLimits:
-    return HardwareLimits(
-        simulated_vram_bytes=hardware.simulated_vram_bytes,
-        vram_reserve_bytes=hardware.vram_reserve_bytes,
-        pinned_ram_budget_bytes=hardware.pinned_ram_budget_bytes,
-        max_process_memory_bytes=hardware.max_process_memory_bytes,
-        min_gpu_layer_ratio=hardware.min_gpu_layer_ratio,
-    )
 
 
 def gib(n: int) -> str:

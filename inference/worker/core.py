@@ -103,14 +103,7 @@ def needed_context(work: ChatWork) -> int:
 
 
 def hardware_limits(config: HypnosConfig) -> HardwareLimits:
-    hw = config.hardware
-    return HardwareLimits(
-        simulated_vram_bytes=hw.simulated_vram_bytes,
-        vram_reserve_bytes=hw.vram_reserve_bytes,
-        pinned_ram_budget_bytes=hw.pinned_ram_budget_bytes,
-        max_process_memory_bytes=hw.max_process_memory_bytes,
-        min_gpu_layer_ratio=hw.min_gpu_layer_ratio,
-    )
+    return HardwareLimits.of(config.hardware)
 
 
 class Worker:

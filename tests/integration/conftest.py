@@ -43,6 +43,23 @@ def use_worker() -> Iterator[Any]:
     client_module._client = saved
 
 
+@pytest.fixture
+def serve(use_worker: Any) -> Iterator[Any]:
+    """Start a Worker on a config, staged, with the views routed to it; shut down after the test."""
+    started: list[Worker] = []
+
+    def start(config: HypnosConfig) -> Worker:
+        worker = use_worker(Worker(config))
+        worker.start()
+        assert worker.wait_ready(60), "startup staging did not finish"
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.shutdown()
+
+
 def with_limits(settings: Any, **limits: Any) -> HypnosConfig:
     config: HypnosConfig = settings.HYPNOS
     settings.HYPNOS = config.model_copy(update={"limits": config.limits.model_copy(update=limits)})

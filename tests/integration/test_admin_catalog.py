@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 from django.contrib.auth.models import User
@@ -16,13 +15,9 @@ SMOL, QWEN = "smollm2-135m", "qwen2.5-coder-0.5b"
 
 
 @pytest.fixture
-def pool(settings, use_worker) -> Iterator[Worker]:
+def pool(settings, serve) -> Worker:
     settings.HYPNOS = settings.HYPNOS.model_copy(update={"models": settings.HYPNOS.models[:1]})
-    worker = use_worker(Worker(settings.HYPNOS))
-    worker.start()
-    assert worker.wait_ready(60)
-    yield worker
-    worker.shutdown()
+    return serve(settings.HYPNOS)
 
 
 @pytest.fixture

@@ -220,13 +220,9 @@ def two_voice_config(config, budget: int):
 
 
 @pytest.fixture
-def tight(settings, use_worker) -> Iterator[Worker]:
+def tight(settings, serve) -> Worker:
     # Whisper (~174 MB booked) and Piper (~223 MB) do not fit 300 MB together.
-    worker = use_worker(Worker(two_voice_config(settings.HYPNOS, 300_000_000)))
-    worker.start()
-    assert worker.wait_ready(60)
-    yield worker
-    worker.shutdown()
+    return serve(two_voice_config(settings.HYPNOS, 300_000_000))
 
 
 async def test_speech_and_transcription_evict_each_other_like_chat_models(api, tight):

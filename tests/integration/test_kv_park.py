@@ -4,7 +4,6 @@ restored when it returns, so the next turn evaluates only its new tokens."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import llama_cpp
 import pytest
@@ -33,16 +32,12 @@ def evaluated(monkeypatch) -> list[int]:
 
 
 @pytest.fixture
-def parking_worker(settings, use_worker) -> Iterator[Worker]:
+def parking_worker(settings, serve) -> Worker:
     config = settings.HYPNOS.model_copy(update={
         "models": settings.HYPNOS.models[:1],
         "hardware": settings.HYPNOS.hardware.model_copy(update={"kv_park": True}),
     })
-    worker = use_worker(Worker(config))
-    worker.start()
-    assert worker.wait_ready(60)
-    yield worker
-    worker.shutdown()
+    return serve(config)
 
 
 async def turn(api, messages: list[dict]) -> dict:
@@ -106,21 +101,13 @@ def parking_config(settings, slots: int = 1, idle_secs: float | None = None):
 
 
 @pytest.fixture
-def idle_timeout_worker(settings, use_worker) -> Iterator[Worker]:
-    worker = use_worker(Worker(parking_config(settings, idle_secs=1.0)))
-    worker.start()
-    assert worker.wait_ready(60)
-    yield worker
-    worker.shutdown()
+def idle_timeout_worker(settings, serve) -> Worker:
+    return serve(parking_config(settings, idle_secs=1.0))
 
 
 @pytest.fixture
-def two_slot_worker(settings, use_worker) -> Iterator[Worker]:
-    worker = use_worker(Worker(parking_config(settings, slots=2)))
-    worker.start()
-    assert worker.wait_ready(60)
-    yield worker
-    worker.shutdown()
+def two_slot_worker(settings, serve) -> Worker:
+    return serve(parking_config(settings, slots=2))
 
 
 def cached(response: dict) -> int:

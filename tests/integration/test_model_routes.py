@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 
@@ -15,12 +14,8 @@ SMOL, QWEN = "smollm2-135m", "qwen2.5-coder-0.5b"
 
 
 @pytest.fixture
-def pool(settings, use_worker) -> Iterator[Worker]:
-    worker = use_worker(Worker(settings.HYPNOS.model_copy(update={"models": settings.HYPNOS.models[:2]})))
-    worker.start()
-    assert worker.wait_ready(60)
-    yield worker
-    worker.shutdown()
+def pool(settings, serve) -> Worker:
+    return serve(settings.HYPNOS.model_copy(update={"models": settings.HYPNOS.models[:2]}))
 
 
 async def test_one_model_reads_like_a_list_entry(api, pool):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import re
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -33,12 +32,8 @@ URL = f"/v1/models/{SMOL}/moe-offload"
 
 
 @pytest.fixture
-def smol_worker(settings, use_worker) -> Iterator[Worker]:
-    worker = use_worker(Worker(settings.HYPNOS.model_copy(update={"models": settings.HYPNOS.models[:1]})))
-    worker.start()
-    assert worker.wait_ready(60)
-    yield worker
-    worker.shutdown()
+def smol_worker(settings, serve) -> Worker:
+    return serve(settings.HYPNOS.model_copy(update={"models": settings.HYPNOS.models[:1]}))
 
 
 async def memory_row(api) -> dict:
@@ -233,18 +228,14 @@ def test_the_experts_of_the_offloaded_layers_load_into_host_memory_and_the_answe
 
 
 @pytest.fixture
-def moe_worker(settings, use_worker, tiny_moe) -> Iterator[Worker]:
+def moe_worker(settings, serve, tiny_moe) -> Worker:
     """The tiny MoE alone, with a tier-1 budget one byte short of holding it whole at 512 tokens."""
     budget = footprint_from_gguf(tiny_moe).resident_bytes(512) - 1
     config = settings.HYPNOS.model_copy(update={
         "models": [moe_config(tiny_moe)],
         "hardware": settings.HYPNOS.hardware.model_copy(update={"simulated_vram_bytes": budget}),
     })
-    worker = use_worker(Worker(config))
-    worker.start()
-    assert worker.wait_ready(60)
-    yield worker
-    worker.shutdown()
+    return serve(config)
 
 
 async def moe_turn(api) -> dict:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +28,10 @@ ADMIN = "sk-admin-test"
 
 
 @pytest.fixture
-def pool(settings, use_worker) -> Iterator[Worker]:
+def pool(settings, serve) -> Worker:
     """A server whose config file holds SmolLM2 alone."""
     settings.HYPNOS = settings.HYPNOS.model_copy(update={"models": settings.HYPNOS.models[:1]})
-    worker = use_worker(Worker(settings.HYPNOS))
-    worker.start()
-    assert worker.wait_ready(60)
-    yield worker
-    worker.shutdown()
+    return serve(settings.HYPNOS)
 
 
 def qwen_block(**extra: Any) -> str:

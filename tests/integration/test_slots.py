@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 
 import pytest
 
@@ -20,15 +19,11 @@ TOPICS = [("apple", "banana", "orange", "fruit"), ("snow",), ("cpu", "processor"
 
 
 @pytest.fixture
-def three_slots(settings, use_worker) -> Iterator[Worker]:
+def three_slots(settings, serve) -> Worker:
     model = settings.HYPNOS.models[0].model_copy(update={"slots": 3})
     config = settings.HYPNOS.model_copy(update={
         "models": [model], "limits": settings.HYPNOS.limits.model_copy(update={"max_queue_per_model": 4})})
-    worker = use_worker(Worker(config))
-    worker.start()
-    assert worker.wait_ready(60)
-    yield worker
-    worker.shutdown()
+    return serve(config)
 
 
 def request(prompt: str, **extra: object) -> dict:

@@ -11,7 +11,6 @@ an answer follows the forced close.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -34,7 +33,7 @@ SHORT = [{"role": "user", "content": "Count from 1 to 400, one number per line."
 
 
 @pytest.fixture(params=[1], ids=["one-slot"])
-def thinker(request, settings, use_worker) -> Iterator[Worker]:
+def thinker(request, settings, serve) -> Worker:
     """SmolLM2 twice: as configured (no thinking format) and as `smollm2-thinking` (on
     request.param execution slots)."""
     smol = next(m for m in settings.HYPNOS.models if m.id == SMOL)
@@ -43,11 +42,7 @@ def thinker(request, settings, use_worker) -> Iterator[Worker]:
     config = settings.HYPNOS.model_copy(update={
         "models": [smol, thinker], "limits": settings.HYPNOS.limits.model_copy(update={"max_tokens_cap": 1024})})
     settings.HYPNOS = config
-    worker = use_worker(Worker(config))
-    worker.start()
-    assert worker.wait_ready(60)
-    yield worker
-    worker.shutdown()
+    return serve(config)
 
 
 def tokens(worker: Worker, text: str) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -99,18 +98,14 @@ def projector(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def seeing(settings, use_worker, projector) -> Iterator[Worker]:
+def seeing(settings, serve, projector) -> Worker:
     """SmolLM2 twice: as configured (no projector) and as `smollm2-seeing` with the tiny projector."""
     smol = next(m for m in settings.HYPNOS.models if m.id == SMOL)
     seeing = smol.model_copy(update={"id": SEEING, "aliases": [], "aux_path": str(projector),
                                      "initial_tier": "tier3_nvme_ssd", "speech_to_text_model": None})
     config = settings.HYPNOS.model_copy(update={"models": [smol, seeing]})
     settings.HYPNOS = config
-    worker = use_worker(Worker(config))
-    worker.start()
-    assert worker.wait_ready(60)
-    yield worker
-    worker.shutdown()
+    return serve(config)
 
 
 def ask(model: str, *parts: dict, **extra: object) -> dict:

@@ -92,7 +92,11 @@ class LlamaEngine(Engine):
             except (OSError, ValueError, KeyError) as exc:
                 raise ModelNotAvailable(f"model {self.model.id!r}: {self.weights} is not a readable GGUF: {exc}") from exc
             self._metadata = info.metadata
-            self._footprint = footprint_from_info(info)
+            footprint = footprint_from_info(info)
+            if self.aux is not None:
+                # The projector's weights live beside the model's on the same device.
+                footprint = replace(footprint, other_bytes=footprint.other_bytes + self.aux.stat().st_size)
+            self._footprint = footprint
         return self._footprint
 
     def warm(self) -> float:

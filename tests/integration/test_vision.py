@@ -180,3 +180,8 @@ async def test_a_bad_image_answers_400(api, seeing, settings):
 async def test_memory_status_lists_vision_among_the_modalities(api, seeing):
     models = {m["id"]: m for m in (await api.get("/v1/memory/status")).json()["models"]}
     assert "vision" in models[SEEING]["modalities"] and "vision" not in models[SMOL]["modalities"]
+
+
+async def test_the_projector_counts_in_the_models_footprint(api, seeing, projector):
+    plain, with_projector = seeing.tiers.entries[SMOL].footprint, seeing.tiers.entries[SEEING].footprint
+    assert with_projector.weights_bytes == plain.weights_bytes + projector.stat().st_size

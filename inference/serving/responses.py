@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from django.conf import settings
@@ -94,6 +94,7 @@ class _Builder:
     def __init__(self, body: ResponsesRequest):
         self.id = "resp_" + uuid.uuid4().hex
         self.message_id = "msg_" + uuid.uuid4().hex
+        self.reasoning_id = "rs_" + uuid.uuid4().hex
         self.body = body
         self.created = int(time.time())
 
@@ -133,9 +134,12 @@ class _Builder:
         items = [self.message(text)] if text or not done.get("tool_calls") else []
         if done.get("reasoning_content"):
             # The thoughts first, as OpenAI's reasoning item (they come before the answer).
-            items.insert(0, {"id": "rs_" + uuid.uuid4().hex, "type": "reasoning", "summary": [],
-                             "content": [{"type": "reasoning_text", "text": done["reasoning_content"]}]})
+            items.insert(0, self.reasoning(done["reasoning_content"]))
         return items + [self.function_call(c) for c in done.get("tool_calls") or []]
+
+    def reasoning(self, text: str, status: str = "completed") -> dict[str, Any]:
+        content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+        return {"id": self.reasoning_id, "type": "reasoning", "status": status, "summary": [], "content": content}
 
 
 async def create_response(client: InferenceClient, body: ResponsesRequest, ctx: RequestContext) -> HttpResponse:
@@ -165,16 +169,40 @@ async def _response_events(call: InferenceCall, builder: _Builder) -> AsyncItera
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data}, ensure_ascii=False)}\n\n"
 
     text: list[str] = []
+    thoughts: list[str] = []
+    thinking = False
     ids = {"item_id": builder.message_id, "output_index": 0, "content_index": 0}
     opened = False
+
+    def close_reasoning() -> Iterator[str]:
+        """The reasoning item ends where the answer (or the response) begins."""
+        nonlocal thinking
+        thinking = False
+        whole = "".join(thoughts)
+        reasoning = {"item_id": builder.reasoning_id, "output_index": 0, "content_index": 0}
+        yield event("response.reasoning_text.done", **reasoning, text=whole)
+        yield event("response.output_item.done", output_index=0, item=builder.reasoning(whole))
+
     try:
         yield event("response.created", response=builder.response("in_progress", []))
         yield event("response.in_progress", response=builder.response("in_progress", []))
         async for item in call.events():
-            if item["kind"] == "delta" and item["text"]:
+            if item["kind"] == "reasoning" and item["text"]:
+                if not thoughts:
+                    thinking = True
+                    yield event("response.output_item.added", output_index=0, item=builder.reasoning("", "in_progress"))
+                thoughts.append(item["text"])
+                yield event("response.reasoning_text.delta", item_id=builder.reasoning_id, output_index=0,
+                            content_index=0, delta=item["text"])
+            elif item["kind"] == "delta" and item["text"]:
+                if thinking:
+                    for line in close_reasoning():
+                        yield line
                 if not opened:
                     opened = True
-                    yield event("response.output_item.added", output_index=0, item=builder.message("", "in_progress"))
+                    ids["output_index"] = 1 if thoughts else 0
+                    yield event("response.output_item.added", output_index=ids["output_index"],
+                                item=builder.message("", "in_progress"))
                     yield event("response.content_part.added", **ids,
                                 part={"type": "output_text", "text": "", "annotations": []})
                 text.append(item["text"])
@@ -187,14 +215,17 @@ async def _response_events(call: InferenceCall, builder: _Builder) -> AsyncItera
                 return
             elif item["kind"] == "done":
                 record_stats(item)
+                if thinking:
+                    for line in close_reasoning():
+                        yield line
                 whole = "".join(text)
-                index = 0
+                index = 1 if thoughts else 0
                 if opened:
                     part = {"type": "output_text", "text": whole, "annotations": []}
                     yield event("response.output_text.done", **ids, text=whole)
                     yield event("response.content_part.done", **ids, part=part)
-                    yield event("response.output_item.done", output_index=0, item=builder.message(whole))
-                    index = 1
+                    yield event("response.output_item.done", output_index=ids["output_index"], item=builder.message(whole))
+                    index += 1
                 for offset, tool_call in enumerate(item.get("tool_calls") or []):
                     fc = builder.function_call(tool_call)
                     yield event("response.output_item.added", output_index=index + offset, item={**fc, "arguments": "", "status": "in_progress"})
@@ -203,7 +234,8 @@ async def _response_events(call: InferenceCall, builder: _Builder) -> AsyncItera
                     yield event("response.function_call_arguments.done", item_id=fc["id"], output_index=index + offset,
                                 arguments=fc["arguments"])
                     yield event("response.output_item.done", output_index=index + offset, item=fc)
-                final = builder.response("completed", builder.output(whole, item), item)
+                final = builder.response("completed", builder.output(whole, {**item, "reasoning_content": "".join(thoughts)}),
+                                         item)
                 yield event("response.completed", response=final)
     finally:
         if not call.finished:

@@ -119,3 +119,24 @@ async def test_the_openai_sdk_reads_reasoning_content(thinker):
     thoughts = (message.model_extra or {}).get("reasoning_content")
     assert thoughts and thoughts.strip()
     assert json.loads(completion.model_dump_json())["choices"][0]["message"]["reasoning_content"] == thoughts
+
+
+async def test_a_streamed_response_carries_the_thoughts_as_a_reasoning_item_before_the_message(api, thinker):
+    body = {"model": THINKER, "input": SHORT[0]["content"], "max_output_tokens": 64, "temperature": 0,
+            "reasoning": {"effort": "low"}, "stream": True}
+    response = await post_json(api, "/v1/responses", body)
+    raw = b"".join([chunk async for chunk in response.streaming_content]).decode()
+    # Named events: "event: <type>" then "data: <json>".
+    events = [json.loads(block.split("data: ", 1)[1]) for block in raw.split("\n\n") if "data: " in block]
+    kinds = [e["type"] for e in events]
+    assert kinds[-1] == "response.completed"
+    thoughts = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    answer = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert thoughts.strip() and answer.strip() and "think>" not in thoughts + answer
+    # The reasoning item (index 0) is done before the message (index 1) starts.
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == ["reasoning", "message"]
+    output = events[-1]["response"]["output"]
+    assert [item["type"] for item in output] == ["reasoning", "message"], output
+    assert output[0]["content"][0]["text"] == thoughts and output[1]["content"][0]["text"] == answer

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -19,28 +18,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hypnos_site.config import HypnosConfig, ModelConfig
-from inference.engines.base import ChatWork, Engine, LoadPhases, engine_class
+from inference.engines.base import ChatWork, Engine
 from inference.errors import (
     STILL_STAGING,
     DeadlineUnmeetable,
     DeviceOutOfMemory,
     HypnosError,
-    InsufficientMemory,
     InvalidRequest,
     ModelBusy,
     ModelDisabled,
     ModelNotAvailable,
     ModelNotFound,
-    ProcessMemoryCap,
     ServerError,
-    UnprocessableEntity,
 )
 from inference.worker.media import MEDIA_OPS, MediaWork, media_work, serve_media
 from inference.worker.pool import POOL_OPS, PoolChanging, change_pool, resubmit_after_change
-from memory.device import HardwareLimits, probe_device, process_memory_bytes
+from inference.worker.status import StatusReports
+from inference.worker.tier_moves import TierMoves
+from memory.device import HardwareLimits, probe_device
 from memory.kv_park import KvParking
-from memory.manager import Eviction, NoRoom, TierManager
-from memory.planner import MOE_OFFLOAD_MODES
+from memory.manager import TierManager
 from memory.tiers import MemoryTier, Placement
 
 log = logging.getLogger(__name__)
@@ -53,7 +50,6 @@ MIN_CONTEXT = 2048
 # The context estimate's budget for one image (spec §7.1).
 IMAGE_CONTEXT_TOKENS = 576
 CONTROL_OPS = ("status", "memory_status", "move", "set_limits", "kv_park", "enable", "disable", "moe_offload")
-NO_ROOM_ERRORS = {"insufficient_vram_or_ram": InsufficientMemory, "process_memory_cap": ProcessMemoryCap}
 
 
 @dataclass
@@ -84,15 +80,6 @@ class ModelRuntime:
         self.service_ms = ms if self.service_ms is None else 0.7 * self.service_ms + 0.3 * ms
 
 
-@dataclass
-class TierSwitch:
-    """What bringing a model to tier 1 cost this request."""
-
-    previous_tier: MemoryTier
-    phases: LoadPhases | None = None
-    evicted: list[str] = field(default_factory=list)
-
-
 def needed_context(work: ChatWork) -> int:
     """The request's num_ctx, else an estimate from the prompt and max_tokens with a floor of
     2048 (spec §7.1); about three characters make a token."""
@@ -106,7 +93,7 @@ def hardware_limits(config: HypnosConfig) -> HardwareLimits:
     return HardwareLimits.of(config.hardware)
 
 
-class Worker:
+class Worker(TierMoves, StatusReports):
     """Admission, leases, single-flight loads and tier moves for the configured models."""
 
     def __init__(self, config: HypnosConfig):
@@ -440,264 +427,4 @@ class Worker:
                 "cached_tokens": result.cached_tokens,
             },
             "telemetry": telemetry,
-        }
-
-    # -- tiers -------------------------------------------------------------------------------
-
-    def _engine(self, runtime: ModelRuntime) -> Engine:
-        """The model's engine, created (and its footprint registered) on first use."""
-        if runtime.engine is not None:
-            return runtime.engine
-        try:
-            cls = engine_class(runtime.config.engine, runtime.config.modality)
-        except NotImplementedError as exc:
-            raise ModelNotAvailable(str(exc)) from exc
-        weights = self.config.weights_file(runtime.config)
-        if not weights.exists():
-            raise ModelNotAvailable(
-                f"The model {runtime.config.id!r} cannot be served: its weights {weights} are missing "
-                "(./run.sh installs the default models)."
-            )
-        aux = self.config.aux_file(runtime.config)
-        if aux is not None and not aux.exists():
-            raise ModelNotAvailable(f"The model {runtime.config.id!r} cannot be served: its aux file {aux} is missing.")
-        # Unset means every core (llama-cpp-python's own default would be half of them).
-        engine = cls(runtime.config, weights, self.config.hardware.n_threads or os.cpu_count(),
-                     **({"aux": aux} if aux is not None else {}))
-        self.tiers.register(runtime.config.id, runtime.config.priority, engine.footprint(), runtime.config.moe_offload)
-        runtime.engine = engine
-        return engine
-
-    def _ensure_tier1(self, runtime: ModelRuntime, context_len: int) -> TierSwitch:
-        """Bring the (leased) model to tier 1 with at least `context_len` tokens of context (a
-        load allocates at least the model's configured context_len), up to what the model was
-        trained for. Single-flight: concurrent requests wait for one load."""
-        model_id = runtime.config.id
-        with runtime.load_lock:
-            engine = runtime.engine
-            assert engine is not None
-            entry = self.tiers.entries[model_id]
-            trained = engine.trained_context_len or context_len
-            if engine.loaded and engine.context_len >= min(context_len, trained):
-                return TierSwitch(previous_tier=MemoryTier.TIER1)
-            wanted = min(max(context_len, runtime.config.context_len), trained)
-            switch = TierSwitch(previous_tier=entry.tier)
-            with self._placement_lock:
-                placement, evictions = self._plan(model_id, wanted)
-                for eviction in evictions:
-                    self._apply_eviction(eviction, for_model=model_id)
-                switch.evicted = [e.model for e in evictions]
-                self.tiers.commit(model_id, MemoryTier.TIER1, placement)
-            try:
-                engine.unload()
-                engine.cpu_expert_layers = placement.cpu_expert_layers
-                switch.phases = engine.load(wanted, placement.gpu_layers)
-                self._restore_parked(model_id, engine, switch.phases)
-            except BaseException:
-                runtime.load_failures += 1
-                self.tiers.commit(model_id, MemoryTier.TIER2 if engine.warm_bytes else MemoryTier.TIER3)
-                raise
-            runtime.loads += 1
-            self.tiers.note_load(model_id, switch.previous_tier, switch.phases.total_ms)
-            log.info("%s: %s -> tier 1 in %.0f ms (evicted %s)", model_id, switch.previous_tier,
-                     switch.phases.total_ms, switch.evicted or "nothing")
-            return switch
-
-    def _restore_parked(self, model_id: str, engine: Engine, phases: LoadPhases) -> None:
-        layout = engine.kv_layout()
-        state = self.kv_parking.take(model_id, layout) if layout is not None else None
-        if state is None:
-            return
-        started = time.perf_counter()
-        phases.kv_restored_tokens = engine.restore(state)
-        phases.kv_restore_ms = (time.perf_counter() - started) * 1000
-        phases.total_ms += phases.kv_restore_ms
-
-    def _demote(self, model_id: str, engine: Engine, to_tier: MemoryTier) -> None:
-        """Take the model out of tier 1 (parking its conversation when KV parking is on)."""
-        if self.kv_parking.enabled and engine.loaded:
-            state = engine.park()
-            if state is not None:
-                self.kv_parking.park(model_id, state)
-        if to_tier == MemoryTier.TIER3:
-            engine.cool()
-        else:
-            engine.unload()
-        self.tiers.commit(model_id, to_tier)
-
-    def _plan(self, model_id: str, context_len: int) -> tuple[Placement, list[Eviction]]:
-        try:
-            promotion = self.tiers.plan_promotion(model_id, context_len)
-        except NoRoom as exc:
-            raise NO_ROOM_ERRORS[exc.reason](exc.message) from exc
-        return promotion.placement, promotion.evictions
-
-    def _apply_eviction(self, eviction: Eviction, for_model: str | None) -> None:
-        """Carry out a demotion the TierManager chose (the victim is idle: it holds no lease)."""
-        engine = self.models[eviction.model].engine
-        assert engine is not None
-        self._demote(eviction.model, engine, eviction.to_tier)
-        self.tiers.record_eviction(eviction, for_model)
-        self.evictions_total += 1
-        log.info("evicted %s to %s for %s (%s)", eviction.model, eviction.to_tier, for_model, eviction.reason)
-
-    def _evict_idle(self, for_model: str, reason: str) -> list[str]:
-        with self._placement_lock:
-            victims = self.tiers.evictable(for_model, (MemoryTier.TIER1,))
-            for victim in victims:
-                self._apply_eviction(Eviction(victim.model_id, MemoryTier.TIER3, reason), for_model)
-            return [v.model_id for v in victims]
-
-    def move(self, name: str, target: MemoryTier, context_len: int | None) -> Placement:
-        """POST /v1/memory/tier and startup staging: put an idle model in `target`.
-        429 while the model is leased, 507 when it does not fit."""
-        runtime = self.resolve(name)
-        model_id = runtime.config.id
-        with self._placement_lock:
-            engine = self._engine(runtime)
-            if self.tiers.entries[model_id].leases:
-                raise ModelBusy(f"The model {model_id!r} is serving requests; retry when it is idle.")
-            # Held while moving, so that no other promotion picks this model as a victim.
-            self.tiers.lease(model_id, request=False)
-        try:
-            if target == MemoryTier.TIER1:
-                self._ensure_tier1(runtime, context_len or runtime.config.context_len)
-            elif target == MemoryTier.TIER2:
-                self._warm(runtime, engine)
-            else:
-                with runtime.load_lock, self._placement_lock:
-                    self._demote(model_id, engine, MemoryTier.TIER3)
-        finally:
-            self.tiers.release(model_id, served=False)
-        return self.tiers.entries[model_id].placement
-
-    def set_moe_offload(self, name: str, mode: str) -> dict[str, Any]:
-        """POST /v1/models/{id}/moe-offload (spec §6): the mode of the model's next placement.
-        An idle resident model is unloaded to tier 2 so that its next request loads it with the
-        new placement ("now"); a busy one changes at its next load ("next_load"). A dense model
-        takes the mode and ignores it. Not written back to the config."""
-        if mode not in MOE_OFFLOAD_MODES:
-            raise UnprocessableEntity(f"Unknown moe_offload mode {mode!r}; use off, auto or on.", param="mode")
-        runtime = self.resolve(name, enabled_only=False)
-        model_id = runtime.config.id
-        with self._placement_lock:
-            engine = self._engine(runtime)
-            changed = self.tiers.entries[model_id].moe_offload != mode
-            self.tiers.set_moe_offload(model_id, mode)
-            busy = self.tiers.entries[model_id].leases > 0
-            if not busy:
-                self.tiers.lease(model_id, request=False)  # no request may load it meanwhile
-        if not busy:
-            try:
-                if changed and engine.loaded and engine.footprint().expert_bytes:
-                    with runtime.load_lock, self._placement_lock:
-                        self._demote(model_id, engine, MemoryTier.TIER2)
-            finally:
-                self.tiers.release(model_id, served=False)
-        return {"model": model_id, "moe_offload": mode, "applies": "next_load" if busy else "now",
-                "placement": self.tiers.entries[model_id].placement.as_dict()}
-
-    def _empty_idle_slots(self, idle_secs: float) -> None:
-        """server.kv_idle_timeout_secs: every few seconds, empty the KV of the slots of idle
-        loaded models whose conversation has not been served for `idle_secs`."""
-        while not self._stopping.wait(min(max(idle_secs / 4, 0.2), 30.0)):
-            for model_id, runtime in list(self.models.items()):
-                with self._placement_lock:
-                    entry = self.tiers.entries.get(model_id)
-                    # No lease: no request runs on the engine, and none can start meanwhile.
-                    if runtime.engine is not None and runtime.engine.loaded and entry is not None and not entry.leases:
-                        dropped = runtime.engine.empty_idle_slots(idle_secs)
-                        if dropped:
-                            log.info("%s: emptied %d tokens of KV idle for %gs", model_id, dropped, idle_secs)
-
-    def _warm(self, runtime: ModelRuntime, engine: Engine) -> None:
-        model_id = runtime.config.id
-        with runtime.load_lock:
-            if engine.loaded:
-                with self._placement_lock:
-                    self._demote(model_id, engine, MemoryTier.TIER2)
-                return
-            with self._placement_lock:
-                try:
-                    evictions = self.tiers.plan_warm(model_id)
-                except NoRoom as exc:
-                    raise NO_ROOM_ERRORS[exc.reason](exc.message) from exc
-                for eviction in evictions:
-                    self._apply_eviction(eviction, for_model=model_id)
-                self.tiers.commit(model_id, MemoryTier.TIER2)
-            try:
-                engine.warm()
-            except BaseException:
-                self.tiers.commit(model_id, MemoryTier.TIER3)
-                raise
-
-    # -- status ------------------------------------------------------------------------------
-
-    def status(self) -> dict[str, Any]:
-        """What the web process shows in /ready and /v1/models."""
-        models = {}
-        for model_id, runtime in self.models.items():
-            entry = self.tiers.entries.get(model_id)
-            models[model_id] = {
-                "current_tier": str(entry.tier) if entry else str(MemoryTier.TIER3),
-                "placement": entry.placement.as_dict() if entry else Placement.on_disk(0).as_dict(),
-                "active_leases": entry.leases if entry else 0,
-                "loads": runtime.loads,
-                "problem": runtime.problem,
-                "enabled": runtime.enabled,
-                "config": runtime.config.model_dump(mode="json"),
-            }
-        return {"ready": self.ready, "simulated": self.device.simulated, "models": models}
-
-    def memory_status(self) -> dict[str, Any]:
-        """GET /v1/memory/status (spec §14), all but the web process's own latency figures."""
-        tier1 = self.tiers.tier1_counters()
-        tier2_used = self.tiers.tier2_used()
-        footprint = process_memory_bytes()
-        models = []
-        for model_id, runtime in self.models.items():
-            config = runtime.config
-            row: dict[str, Any] = {
-                "id": model_id,
-                "enabled": runtime.enabled,
-                "modality": config.modality,
-                # A chat model hears input_audio through its speech_to_text_model (spec §7.1)
-                # and sees images through its projector (aux_path).
-                "modalities": config.modalities,
-                "engine": config.engine,
-                # Both replaced by the ledger's once the model's footprint is known.
-                "moe_offload": config.moe_offload,
-                "expert_bytes": 0,
-                "loads": runtime.loads,
-                "load_failures": runtime.load_failures,
-                "service_ms": round(runtime.service_ms, 1) if runtime.service_ms is not None else None,
-                "estimated_wait_ms": self.estimated_wait_ms(runtime),
-            }
-            if model_id in self.tiers.entries:
-                row.update(self.tiers.model_status(model_id))
-            else:
-                row.update({"current_tier": str(MemoryTier.TIER3), "priority": config.priority,
-                            "active_leases": 0, "problem": runtime.problem})
-            models.append(row)
-        return {
-            "capabilities": self.device.capabilities.as_dict(),
-            "tier1_vram_used_bytes": tier1["used"],
-            "tier1_vram_free_bytes": tier1["free"],
-            "tier1_vram_real_free_bytes": tier1["real_free"],
-            "tier1_vram_real_total_bytes": tier1["real_total"],
-            "tier1_vram_unaccounted_bytes": tier1["unaccounted"],
-            "tier1_vram_effective_free_bytes": tier1["effective_free"],
-            "tier2_pinned_ram_used_bytes": tier2_used,
-            "tier2_pinned_ram_free_bytes": max(self.tiers.tier2_budget - tier2_used, 0),
-            "physical_pool_free_bytes": None,
-            "process_footprint_bytes": footprint,
-            "process_memory_bytes": footprint,
-            "process_memory_cap_bytes": self.config.hardware.max_process_memory_bytes,
-            "gpu": self.device.gpu_health(),
-            "models": models,
-            "recent_evictions": list(self.tiers.recent_evictions),
-            "kv_park": self.kv_parking.status(),
-            **({"profile": self.config.server.profile.model_dump(exclude_none=True)}
-               if self.config.server.profile else {}),
-            "evictions_total": self.evictions_total,
         }

@@ -1,0 +1,101 @@
+"""The worker's reports: what the web process shows in /ready and /v1/models, and
+GET /v1/memory/status (spec §14) but for the web process's own latency figures."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from hypnos_site.config import HypnosConfig
+from memory.device import Device, process_memory_bytes
+from memory.kv_park import KvParking
+from memory.manager import TierManager
+from memory.tiers import MemoryTier, Placement
+
+if TYPE_CHECKING:
+    from inference.worker.core import ModelRuntime
+
+
+class StatusReports:
+    """Part of Worker (inference/worker/core.py), which sets these attributes."""
+
+    config: HypnosConfig
+    device: Device
+    tiers: TierManager
+    kv_parking: KvParking
+    models: dict[str, ModelRuntime]
+    evictions_total: int
+
+    if TYPE_CHECKING:
+        @property
+        def ready(self) -> bool: ...
+
+        def estimated_wait_ms(self, runtime: ModelRuntime) -> float | None: ...
+
+    def status(self) -> dict[str, Any]:
+        """What the web process shows in /ready and /v1/models."""
+        models = {}
+        for model_id, runtime in self.models.items():
+            entry = self.tiers.entries.get(model_id)
+            models[model_id] = {
+                "current_tier": str(entry.tier) if entry else str(MemoryTier.TIER3),
+                "placement": entry.placement.as_dict() if entry else Placement.on_disk(0).as_dict(),
+                "active_leases": entry.leases if entry else 0,
+                "loads": runtime.loads,
+                "problem": runtime.problem,
+                "enabled": runtime.enabled,
+                "config": runtime.config.model_dump(mode="json"),
+            }
+        return {"ready": self.ready, "simulated": self.device.simulated, "models": models}
+
+    def memory_status(self) -> dict[str, Any]:
+        """GET /v1/memory/status (spec §14), all but the web process's own latency figures."""
+        tier1 = self.tiers.tier1_counters()
+        tier2_used = self.tiers.tier2_used()
+        footprint = process_memory_bytes()
+        models = []
+        for model_id, runtime in self.models.items():
+            config = runtime.config
+            row: dict[str, Any] = {
+                "id": model_id,
+                "enabled": runtime.enabled,
+                "modality": config.modality,
+                # A chat model hears input_audio through its speech_to_text_model (spec §7.1)
+                # and sees images through its projector (aux_path).
+                "modalities": config.modalities,
+                "engine": config.engine,
+                # Both replaced by the ledger's once the model's footprint is known.
+                "moe_offload": config.moe_offload,
+                "expert_bytes": 0,
+                "loads": runtime.loads,
+                "load_failures": runtime.load_failures,
+                "service_ms": round(runtime.service_ms, 1) if runtime.service_ms is not None else None,
+                "estimated_wait_ms": self.estimated_wait_ms(runtime),
+            }
+            if model_id in self.tiers.entries:
+                row.update(self.tiers.model_status(model_id))
+            else:
+                row.update({"current_tier": str(MemoryTier.TIER3), "priority": config.priority,
+                            "active_leases": 0, "problem": runtime.problem})
+            models.append(row)
+        return {
+            "capabilities": self.device.capabilities.as_dict(),
+            "tier1_vram_used_bytes": tier1["used"],
+            "tier1_vram_free_bytes": tier1["free"],
+            "tier1_vram_real_free_bytes": tier1["real_free"],
+            "tier1_vram_real_total_bytes": tier1["real_total"],
+            "tier1_vram_unaccounted_bytes": tier1["unaccounted"],
+            "tier1_vram_effective_free_bytes": tier1["effective_free"],
+            "tier2_pinned_ram_used_bytes": tier2_used,
+            "tier2_pinned_ram_free_bytes": max(self.tiers.tier2_budget - tier2_used, 0),
+            "physical_pool_free_bytes": None,
+            "process_footprint_bytes": footprint,
+            "process_memory_bytes": footprint,
+            "process_memory_cap_bytes": self.config.hardware.max_process_memory_bytes,
+            "gpu": self.device.gpu_health(),
+            "models": models,
+            "recent_evictions": list(self.tiers.recent_evictions),
+            "kv_park": self.kv_parking.status(),
+            **({"profile": self.config.server.profile.model_dump(exclude_none=True)}
+               if self.config.server.profile else {}),
+            "evictions_total": self.evictions_total,
+        }

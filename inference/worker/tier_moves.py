@@ -1,0 +1,244 @@
+"""The worker's tier moves: creating engines, promoting a model to tier 1 (single-flight),
+demoting and evicting idle ones, warming, moving by hand, MoE offload changes and emptying idle
+KV slots. The decisions are the TierManager's (memory/); these methods carry them out with the
+engines, under the worker's placement lock."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hypnos_site.config import HypnosConfig
+from inference.engines.base import Engine, LoadPhases, engine_class
+from inference.errors import (
+    InsufficientMemory,
+    ModelBusy,
+    ModelNotAvailable,
+    ProcessMemoryCap,
+    UnprocessableEntity,
+)
+from memory.kv_park import KvParking
+from memory.manager import Eviction, NoRoom, TierManager
+from memory.planner import MOE_OFFLOAD_MODES
+from memory.tiers import MemoryTier, Placement
+
+if TYPE_CHECKING:
+    from inference.worker.core import ModelRuntime
+
+log = logging.getLogger(__name__)
+NO_ROOM_ERRORS = {"insufficient_vram_or_ram": InsufficientMemory, "process_memory_cap": ProcessMemoryCap}
+
+
+@dataclass
+class TierSwitch:
+    """What bringing a model to tier 1 cost this request."""
+
+    previous_tier: MemoryTier
+    phases: LoadPhases | None = None
+    evicted: list[str] = field(default_factory=list)
+
+
+class TierMoves:
+    """Part of Worker (inference/worker/core.py), which sets these attributes."""
+
+    config: HypnosConfig
+    tiers: TierManager
+    kv_parking: KvParking
+    models: dict[str, ModelRuntime]
+    evictions_total: int
+    _placement_lock: threading.RLock
+    _stopping: threading.Event
+
+    if TYPE_CHECKING:
+        def resolve(self, name: str, enabled_only: bool = True) -> ModelRuntime: ...
+
+    def _engine(self, runtime: ModelRuntime) -> Engine:
+        """The model's engine, created (and its footprint registered) on first use."""
+        if runtime.engine is not None:
+            return runtime.engine
+        try:
+            cls = engine_class(runtime.config.engine, runtime.config.modality)
+        except NotImplementedError as exc:
+            raise ModelNotAvailable(str(exc)) from exc
+        weights = self.config.weights_file(runtime.config)
+        if not weights.exists():
+            raise ModelNotAvailable(
+                f"The model {runtime.config.id!r} cannot be served: its weights {weights} are missing "
+                "(./run.sh installs the default models)."
+            )
+        aux = self.config.aux_file(runtime.config)
+        if aux is not None and not aux.exists():
+            raise ModelNotAvailable(f"The model {runtime.config.id!r} cannot be served: its aux file {aux} is missing.")
+        # Unset means every core (llama-cpp-python's own default would be half of them).
+        engine = cls(runtime.config, weights, self.config.hardware.n_threads or os.cpu_count(),
+                     **({"aux": aux} if aux is not None else {}))
+        self.tiers.register(runtime.config.id, runtime.config.priority, engine.footprint(), runtime.config.moe_offload)
+        runtime.engine = engine
+        return engine
+
+    def _ensure_tier1(self, runtime: ModelRuntime, context_len: int) -> TierSwitch:
+        """Bring the (leased) model to tier 1 with at least `context_len` tokens of context (a
+        load allocates at least the model's configured context_len), up to what the model was
+        trained for. Single-flight: concurrent requests wait for one load."""
+        model_id = runtime.config.id
+        with runtime.load_lock:
+            engine = runtime.engine
+            assert engine is not None
+            entry = self.tiers.entries[model_id]
+            trained = engine.trained_context_len or context_len
+            if engine.loaded and engine.context_len >= min(context_len, trained):
+                return TierSwitch(previous_tier=MemoryTier.TIER1)
+            wanted = min(max(context_len, runtime.config.context_len), trained)
+            switch = TierSwitch(previous_tier=entry.tier)
+            with self._placement_lock:
+                placement, evictions = self._plan(model_id, wanted)
+                for eviction in evictions:
+                    self._apply_eviction(eviction, for_model=model_id)
+                switch.evicted = [e.model for e in evictions]
+                self.tiers.commit(model_id, MemoryTier.TIER1, placement)
+            try:
+                engine.unload()
+                engine.cpu_expert_layers = placement.cpu_expert_layers
+                switch.phases = engine.load(wanted, placement.gpu_layers)
+                self._restore_parked(model_id, engine, switch.phases)
+            except BaseException:
+                runtime.load_failures += 1
+                self.tiers.commit(model_id, MemoryTier.TIER2 if engine.warm_bytes else MemoryTier.TIER3)
+                raise
+            runtime.loads += 1
+            self.tiers.note_load(model_id, switch.previous_tier, switch.phases.total_ms)
+            log.info("%s: %s -> tier 1 in %.0f ms (evicted %s)", model_id, switch.previous_tier,
+                     switch.phases.total_ms, switch.evicted or "nothing")
+            return switch
+
+    def _restore_parked(self, model_id: str, engine: Engine, phases: LoadPhases) -> None:
+        layout = engine.kv_layout()
+        state = self.kv_parking.take(model_id, layout) if layout is not None else None
+        if state is None:
+            return
+        started = time.perf_counter()
+        phases.kv_restored_tokens = engine.restore(state)
+        phases.kv_restore_ms = (time.perf_counter() - started) * 1000
+        phases.total_ms += phases.kv_restore_ms
+
+    def _demote(self, model_id: str, engine: Engine, to_tier: MemoryTier) -> None:
+        """Take the model out of tier 1 (parking its conversation when KV parking is on)."""
+        if self.kv_parking.enabled and engine.loaded:
+            state = engine.park()
+            if state is not None:
+                self.kv_parking.park(model_id, state)
+        if to_tier == MemoryTier.TIER3:
+            engine.cool()
+        else:
+            engine.unload()
+        self.tiers.commit(model_id, to_tier)
+
+    def _plan(self, model_id: str, context_len: int) -> tuple[Placement, list[Eviction]]:
+        try:
+            promotion = self.tiers.plan_promotion(model_id, context_len)
+        except NoRoom as exc:
+            raise NO_ROOM_ERRORS[exc.reason](exc.message) from exc
+        return promotion.placement, promotion.evictions
+
+    def _apply_eviction(self, eviction: Eviction, for_model: str | None) -> None:
+        """Carry out a demotion the TierManager chose (the victim is idle: it holds no lease)."""
+        engine = self.models[eviction.model].engine
+        assert engine is not None
+        self._demote(eviction.model, engine, eviction.to_tier)
+        self.tiers.record_eviction(eviction, for_model)
+        self.evictions_total += 1
+        log.info("evicted %s to %s for %s (%s)", eviction.model, eviction.to_tier, for_model, eviction.reason)
+
+    def _evict_idle(self, for_model: str, reason: str) -> list[str]:
+        with self._placement_lock:
+            victims = self.tiers.evictable(for_model, (MemoryTier.TIER1,))
+            for victim in victims:
+                self._apply_eviction(Eviction(victim.model_id, MemoryTier.TIER3, reason), for_model)
+            return [v.model_id for v in victims]
+
+    def move(self, name: str, target: MemoryTier, context_len: int | None) -> Placement:
+        """POST /v1/memory/tier and startup staging: put an idle model in `target`.
+        429 while the model is leased, 507 when it does not fit."""
+        runtime = self.resolve(name)
+        model_id = runtime.config.id
+        with self._placement_lock:
+            engine = self._engine(runtime)
+            if self.tiers.entries[model_id].leases:
+                raise ModelBusy(f"The model {model_id!r} is serving requests; retry when it is idle.")
+            # Held while moving, so that no other promotion picks this model as a victim.
+            self.tiers.lease(model_id, request=False)
+        try:
+            if target == MemoryTier.TIER1:
+                self._ensure_tier1(runtime, context_len or runtime.config.context_len)
+            elif target == MemoryTier.TIER2:
+                self._warm(runtime, engine)
+            else:
+                with runtime.load_lock, self._placement_lock:
+                    self._demote(model_id, engine, MemoryTier.TIER3)
+        finally:
+            self.tiers.release(model_id, served=False)
+        return self.tiers.entries[model_id].placement
+
+    def set_moe_offload(self, name: str, mode: str) -> dict[str, Any]:
+        """POST /v1/models/{id}/moe-offload (spec §6): the mode of the model's next placement.
+        An idle resident model is unloaded to tier 2 so that its next request loads it with the
+        new placement ("now"); a busy one changes at its next load ("next_load"). A dense model
+        takes the mode and ignores it. Not written back to the config."""
+        if mode not in MOE_OFFLOAD_MODES:
+            raise UnprocessableEntity(f"Unknown moe_offload mode {mode!r}; use off, auto or on.", param="mode")
+        runtime = self.resolve(name, enabled_only=False)
+        model_id = runtime.config.id
+        with self._placement_lock:
+            engine = self._engine(runtime)
+            changed = self.tiers.entries[model_id].moe_offload != mode
+            self.tiers.set_moe_offload(model_id, mode)
+            busy = self.tiers.entries[model_id].leases > 0
+            if not busy:
+                self.tiers.lease(model_id, request=False)  # no request may load it meanwhile
+        if not busy:
+            try:
+                if changed and engine.loaded and engine.footprint().expert_bytes:
+                    with runtime.load_lock, self._placement_lock:
+                        self._demote(model_id, engine, MemoryTier.TIER2)
+            finally:
+                self.tiers.release(model_id, served=False)
+        return {"model": model_id, "moe_offload": mode, "applies": "next_load" if busy else "now",
+                "placement": self.tiers.entries[model_id].placement.as_dict()}
+
+    def _empty_idle_slots(self, idle_secs: float) -> None:
+        """server.kv_idle_timeout_secs: every few seconds, empty the KV of the slots of idle
+        loaded models whose conversation has not been served for `idle_secs`."""
+        while not self._stopping.wait(min(max(idle_secs / 4, 0.2), 30.0)):
+            for model_id, runtime in list(self.models.items()):
+                with self._placement_lock:
+                    entry = self.tiers.entries.get(model_id)
+                    # No lease: no request runs on the engine, and none can start meanwhile.
+                    if runtime.engine is not None and runtime.engine.loaded and entry is not None and not entry.leases:
+                        dropped = runtime.engine.empty_idle_slots(idle_secs)
+                        if dropped:
+                            log.info("%s: emptied %d tokens of KV idle for %gs", model_id, dropped, idle_secs)
+
+    def _warm(self, runtime: ModelRuntime, engine: Engine) -> None:
+        model_id = runtime.config.id
+        with runtime.load_lock:
+            if engine.loaded:
+                with self._placement_lock:
+                    self._demote(model_id, engine, MemoryTier.TIER2)
+                return
+            with self._placement_lock:
+                try:
+                    evictions = self.tiers.plan_warm(model_id)
+                except NoRoom as exc:
+                    raise NO_ROOM_ERRORS[exc.reason](exc.message) from exc
+                for eviction in evictions:
+                    self._apply_eviction(eviction, for_model=model_id)
+                self.tiers.commit(model_id, MemoryTier.TIER2)
+            try:
+                engine.warm()
+            except BaseException:
+                self.tiers.commit(model_id, MemoryTier.TIER3)
+                raise

@@ -182,6 +182,10 @@ def _block_lines(entry: CatalogEntry, variant: CatalogVariant, weights: CatalogF
         lines.append(f'package_path = "{weights.package_path}"')
     if entry.aliases:
         lines.append(f"aliases = {json.dumps(entry.aliases)}")
+    aux = next((f for f in variant.files if f.role == "aux"), None)
+    if aux is not None:
+        # A projector (vision) for a llama.cpp model; a VAE for an image model.
+        lines.append(f'aux_path = "{aux.local}"')
     return lines
 
 

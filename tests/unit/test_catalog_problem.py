@@ -1,12 +1,14 @@
-"""GET /v1/models/catalog's `problem`: downloaded weights of another architecture than listed."""
+"""The catalog's `problem` (downloaded weights of another architecture than listed) and the
+config block of a variant with an aux file."""
 
 from __future__ import annotations
 
 import struct
+import tomllib
 from pathlib import Path
 
-from hypnos_site.config import HypnosConfig, ServerConfig
-from models_registry.catalog import Catalog, describe
+from hypnos_site.config import HypnosConfig, ModelConfig, ServerConfig
+from models_registry.catalog import Catalog, config_block, describe
 
 
 def tiny_gguf(path: Path, architecture: str) -> int:
@@ -42,3 +44,12 @@ def test_weights_not_yet_downloaded_are_no_problem(tmp_path):
     config = HypnosConfig(server=ServerConfig(models_dir=str(tmp_path)), models=[])
     [variant] = describe(config, catalog_of("llama", 10))["data"][0]["variants"]
     assert variant["installed"] is False and "problem" not in variant
+
+
+def test_a_variant_with_an_aux_file_names_it_in_its_config_block():
+    catalog = catalog_of("llama", 10)
+    variant = catalog.models[0].variants[0]
+    projector = variant.files[0].model_copy(update={"role": "aux", "remote": "mmproj.gguf", "local": "mmproj.gguf"})
+    block = config_block(catalog.models[0], variant.model_copy(update={"files": [*variant.files, projector]}))
+    model = ModelConfig.model_validate(tomllib.loads(block)["models"][0])
+    assert model.aux_path == "mmproj.gguf" and model.weights_path == "m.gguf"

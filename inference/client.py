@@ -100,7 +100,7 @@ class InferenceClient:
         """The worker's status, or None when no worker answers."""
         try:
             return await asyncio.wait_for(self.control("status"), STATUS_TIMEOUT_SECS)
-        except (ModelNotAvailable, asyncio.TimeoutError):
+        except (TimeoutError, ModelNotAvailable):
             return None
 
 
@@ -172,7 +172,7 @@ class _ChannelCall(InferenceCall):
             if self.worker_channel is None:
                 try:
                     message = await asyncio.wait_for(_guarded(self.layer.receive(self.reply)), self.ack_timeout)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise ModelNotAvailable(NO_WORKER.format(secs=self.ack_timeout)) from None
             else:
                 message = await _guarded(self.layer.receive(self.reply))

@@ -6,29 +6,27 @@ import time
 
 from adrf.views import APIView
 from django.http import HttpRequest, JsonResponse
+from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.request import Request
 
 from hypnos_site import __version__
-from inference.client import get_client
-from inference.errors import NotFound
 from inference import latency
-from inference.errors import InvalidRequest
+from inference.client import get_client
+from inference.errors import InvalidRequest, NotFound
 from inference.protocol import (
     AdvisorRequest,
     ChatCompletionRequest,
     CompletionRequest,
     InternalSetRequest,
     KvParkRequest,
-    MoeOffloadRequest,
     MemoryTierRequest,
+    MoeOffloadRequest,
     ResponsesRequest,
     parse_body,
 )
-from inference.serving import advisor, chat, completions, lemonade, models, responses
-from inference.serving.context import RequestContext
 from inference.protocol_media import EmbeddingRequest, SpeechRequest
-from inference.serving import audio, embeddings, pool
-from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from inference.serving import advisor, audio, chat, completions, embeddings, lemonade, models, pool, responses
+from inference.serving.context import RequestContext
 from models_registry.authentication import IsAdminKey, IsAdminKeyForChanges
 
 STARTED_AT = time.time()

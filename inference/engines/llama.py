@@ -548,7 +548,7 @@ class LlamaEngine(Engine):
         llm = self._llm
         assert llm is not None
         same = 0
-        for a, b in zip(llm._input_ids[: llm.n_tokens], tokens):
+        for a, b in zip(llm._input_ids[: llm.n_tokens], tokens, strict=False):
             if a != b:
                 break
             same += 1

@@ -20,9 +20,9 @@ from inference.client import Event, InferenceCall, InferenceClient
 from inference.errors import HypnosError, InvalidRequest, ServerError
 from inference.protocol import parse_body
 from inference.protocol_media import SpeechRequest, TranscriptionRequest
-from inference.serving.pool import pool
 from inference.serving.chat import check_prompt_chars, find_model, request_timed_out
 from inference.serving.context import RequestContext, with_wait_estimate
+from inference.serving.pool import pool
 
 INLINE_AUDIO_BYTES = 512 << 10
 CONTENT_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "mp3": "audio/mpeg", "opus": "audio/ogg",

@@ -15,7 +15,7 @@ from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
 from hypnos_site.config import ENGINE_SAMPLING_DEFAULTS, ModelConfig
 from inference.client import Event, InferenceCall, InferenceClient
-from inference.errors import HypnosError, InvalidRequest, ModelNotFound, ServerError
+from inference.errors import HypnosError, InvalidRequest, ServerError
 from inference.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
 from inference.serving import image_input
 from inference.serving.context import RequestContext, start_call, with_wait_estimate
@@ -119,7 +119,7 @@ async def create_chat_completion(client: InferenceClient, body: ChatCompletionRe
         if body.stream:
             return with_wait_estimate(sse_response(_chat_sse(call, _ChunkMaker(completion_id, body.model), body.logprobs)), call)
         return with_wait_estimate(JsonResponse(await asyncio.wait_for(_chat_json(call, completion_id, body), timeout)), call)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return request_timed_out(timeout)
 
 

@@ -15,19 +15,19 @@ from django.http import HttpResponse, JsonResponse
 from inference.client import InferenceCall, InferenceClient
 from inference.errors import HypnosError
 from inference.protocol import CompletionRequest
-from inference.serving.context import RequestContext, start_call, with_wait_estimate
-from inference.serving.pool import pool
 from inference.serving.chat import (
     check_prompt_chars,
     collect,
-    finish_reason,
     find_model,
+    finish_reason,
     record_stats,
     request_timed_out,
     sampling_payload,
     sse_response,
     usage_of,
 )
+from inference.serving.context import RequestContext, start_call, with_wait_estimate
+from inference.serving.pool import pool
 
 
 def completion_payload(body: CompletionRequest) -> dict[str, Any]:
@@ -66,7 +66,7 @@ async def create_completion(client: InferenceClient, body: CompletionRequest, ct
         if body.stream:
             return with_wait_estimate(sse_response(_completion_sse(call, completion_id, body)), call)
         text, logprobs, done = await asyncio.wait_for(collect(call), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return request_timed_out(timeout)
     choice = {"text": text, "index": 0, "finish_reason": finish_reason(done["finish_reason"]),
               "logprobs": legacy_logprobs(logprobs, 0) if body.logprobs is not None else None}

@@ -15,9 +15,9 @@ from django.http import HttpResponse, JsonResponse
 from inference.client import InferenceCall, InferenceClient
 from inference.errors import HypnosError, ServerError
 from inference.protocol_media import EmbeddingRequest
-from inference.serving.pool import pool
 from inference.serving.chat import check_prompt_chars, find_model, request_timed_out
 from inference.serving.context import RequestContext, with_wait_estimate
+from inference.serving.pool import pool
 
 
 async def create_embeddings(client: InferenceClient, body: EmbeddingRequest, ctx: RequestContext) -> HttpResponse:

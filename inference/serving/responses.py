@@ -15,8 +15,6 @@ from django.http import HttpResponse, JsonResponse
 from inference.client import Event, InferenceCall, InferenceClient
 from inference.errors import HypnosError, InvalidRequest
 from inference.protocol import ResponsesRequest
-from inference.serving.context import RequestContext, start_call, with_wait_estimate
-from inference.serving.pool import pool
 from inference.serving.chat import (
     DEFAULT_MAX_TOKENS,
     check_prompt_chars,
@@ -26,6 +24,8 @@ from inference.serving.chat import (
     request_timed_out,
     sse_response,
 )
+from inference.serving.context import RequestContext, start_call, with_wait_estimate
+from inference.serving.pool import pool
 
 
 def _text_of(content: Any) -> str:
@@ -152,7 +152,7 @@ async def create_response(client: InferenceClient, body: ResponsesRequest, ctx: 
         if body.stream:
             return with_wait_estimate(sse_response(_response_events(call, builder)), call)
         text, _, done = await asyncio.wait_for(collect(call), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return request_timed_out(timeout)
     response = builder.response("completed", builder.output(text, done), done)
     response["output_text"] = text

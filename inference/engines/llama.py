@@ -7,26 +7,24 @@ import json
 import random
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
 import llama_cpp._internals as internals
-import numpy as np
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-from llama_cpp.llama_grammar import JSON_GBNF
 
 from hypnos_site.config import ENGINE_SAMPLING_DEFAULTS, ModelConfig
 from inference.engines.base import ChatResult, ChatWork, DeltaSink, Engine, LoadPhases
+from inference.engines.llama_io import AnswerOutput, json_grammar, oom_as_typed, template_message, token_logprobs
 from inference.engines.llama_offload import ExpertOffloadModel, expert_pattern
 from inference.engines.llama_slots import SlotJob, SlotScheduler, seq_state, set_seq_state
 from inference.engines.text import StopMatcher
 from inference.engines.thinking import FORCED_CLOSE, OPEN, ThinkBlock
-from inference.engines.tools import call_schema, may_become_call, parse_tool_calls
+from inference.engines.tools import call_schema, parse_tool_calls
 from inference.engines.vision import Projector
-from inference.errors import ContextLengthExceeded, DeviceOutOfMemory, InvalidRequest, ModelNotAvailable
+from inference.errors import ContextLengthExceeded, InvalidRequest, ModelNotAvailable
 from memory.gguf import read_gguf
 from memory.kv_park import ParkedSlot, ParkedState
 from memory.planner import Footprint, footprint_from_info
@@ -262,7 +260,7 @@ class LlamaEngine(Engine):
                 param="messages",
             )
         thoughts = self._think_block(plan, work)
-        output = _Output(on_delta, hold=plan.tool_names is not None, forced=plan.forced_prefix is not None,
+        output = AnswerOutput(on_delta, hold=plan.tool_names is not None, forced=plan.forced_prefix is not None,
                          thoughts=thoughts)
         # A forced close of the thinking block takes a few tokens of context too.
         room = n_ctx - len(tokens) - (len(self._close_tokens(llm)) if thoughts else 0)
@@ -282,7 +280,7 @@ class LlamaEngine(Engine):
         return result
 
     def _decode(self, llm: llama_cpp.Llama, tokens: list[int], work: ChatWork, grammar: llama_cpp.LlamaGrammar | None,
-                max_tokens: int, cancel: threading.Event, output: _Output) -> ChatResult:
+                max_tokens: int, cancel: threading.Event, output: AnswerOutput) -> ChatResult:
         """Generate on this engine's one context, or through its slot scheduler."""
         seed = work.seed if work.seed is not None else random.randrange(2**31)
         if self._scheduler is not None and output.thoughts is not None:
@@ -297,7 +295,7 @@ class LlamaEngine(Engine):
 
             def emit(text: str, token: int, index: int) -> None:
                 piece = llm.detokenize([token], special=False) if token >= 0 else b""
-                logprobs = _token_logprobs(llm, token, piece, top, index) if top is not None and token >= 0 else None
+                logprobs = token_logprobs(llm, token, piece, top, index) if top is not None and token >= 0 else None
                 output.emit(text, logprobs)
 
             job = SlotJob(tokens=tokens, sampler=sampler, stops=StopMatcher(work.stop), max_tokens=max_tokens,
@@ -317,7 +315,7 @@ class LlamaEngine(Engine):
 
     def _scheduled_thinking(self, llm: llama_cpp.Llama, tokens: list[int], work: ChatWork,
                             grammar: llama_cpp.LlamaGrammar | None, max_tokens: int, cancel: threading.Event,
-                            output: _Output, seed: int) -> ChatResult:
+                            output: AnswerOutput, seed: int) -> ChatResult:
         """A thinking request on the slot scheduler, in legs: when the block must be closed the
         leg ends, and the next starts from the context plus the closing tag (the slot keeps the
         shared prefix, so only the new tokens are evaluated). Stop strings apply to the answer."""
@@ -333,7 +331,7 @@ class LlamaEngine(Engine):
                 if leg.stopped:
                     return
                 piece = llm.detokenize([token], special=False) if token >= 0 else b""
-                logprobs = _token_logprobs(llm, token, piece, top, index) if top is not None and token >= 0 else None
+                logprobs = token_logprobs(llm, token, piece, top, index) if top is not None and token >= 0 else None
                 routed = thoughts.feed(text, tokens=1 if token >= 0 else 0)
                 output.think(routed.reasoning)
                 content, leg.stopped = stops.feed(routed.content)
@@ -373,9 +371,9 @@ class LlamaEngine(Engine):
         """The prompt text, the grammar and the tool handling of one request."""
         schema = work.json_schema
         if work.raw_prompt is not None:
-            return _PromptPlan(work.raw_prompt, add_bos=True, special=False, grammar=_grammar(schema))
+            return _PromptPlan(work.raw_prompt, add_bos=True, special=False, grammar=json_grammar(schema))
         assert self._formatter is not None
-        messages = [_template_message(m) for m in work.messages]
+        messages = [template_message(m) for m in work.messages]
         tools = work.tools if work.tools and work.tool_choice != "none" else None
         # After a tool result the small models answer well only without the tools in view
         # (offered again, they call the same tool again): render the follow-up without them.
@@ -390,7 +388,7 @@ class LlamaEngine(Engine):
             raise InvalidRequest(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
         prompt = self._thinking_prompt(prompt, think)
         if not tools:
-            return _PromptPlan(prompt, grammar=_grammar(schema))
+            return _PromptPlan(prompt, grammar=json_grammar(schema))
         names = {t["function"]["name"] for t in tools}
         choice = work.tool_choice
         if choice == "auto" and self.model.tool_router:
@@ -403,7 +401,7 @@ class LlamaEngine(Engine):
         forced = [t for t in tools if isinstance(choice, dict) and t["function"]["name"] == choice["name"]] or tools
         prefix = "<tool_call>\n"
         return _PromptPlan(prompt + prefix, tool_names=names, forced_prefix=prefix,
-                           grammar=_grammar(call_schema(forced)))
+                           grammar=json_grammar(call_schema(forced)))
 
     def _thinking_prompt(self, prompt: str, think: bool) -> str:
         """Open the thinking block when the request thinks; close at once one the template
@@ -449,7 +447,7 @@ class LlamaEngine(Engine):
         tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
         answer: list[str] = []
         self._decode(llm, tokens, ChatWork(messages=[], max_tokens=16, temperature=0.0), grammar, 16,
-                     threading.Event(), _Output(lambda text, _logprobs, _reasoning=False: answer.append(text),
+                     threading.Event(), AnswerOutput(lambda text, _logprobs, _reasoning=False: answer.append(text),
                                                 hold=False, forced=False))
         decision = "".join(answer).strip()
         return {"name": decision} if decision in names else None
@@ -463,7 +461,7 @@ class LlamaEngine(Engine):
         grammar: llama_cpp.LlamaGrammar | None,
         max_tokens: int,
         cancel: threading.Event,
-        output: _Output,
+        output: AnswerOutput,
     ) -> ChatResult:
         stops = StopMatcher(work.stop)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -487,7 +485,7 @@ class LlamaEngine(Engine):
             )
             close = False
             try:
-                for token in _oom_as_typed(generator):
+                for token in oom_as_typed(generator):
                     first_at = first_at or time.perf_counter()
                     if llama_cpp.llama_vocab_is_eog(vocab, token):
                         # A model that ends its turn inside its thoughts still owes the answer.
@@ -497,7 +495,7 @@ class LlamaEngine(Engine):
                     produced += 1
                     context.append(token)
                     piece = llm.detokenize([token], special=False)
-                    logprobs = (_token_logprobs(llm, token, piece, work.top_logprobs)
+                    logprobs = (token_logprobs(llm, token, piece, work.top_logprobs)
                                 if work.top_logprobs is not None else None)
                     text = decoder.decode(piece)
                     if thoughts is not None:
@@ -619,106 +617,6 @@ class _Leg(threading.Event):
 
     def is_set(self) -> bool:
         return super().is_set() or self.request_cancel.is_set()
-
-
-class _Output:
-    """Passes answer text on as it comes, except while it may still turn out to be a tool call
-    (or surely is one): that text is held until the end, then parsed. Thoughts are never held:
-    they come first and are no call."""
-
-    def __init__(self, on_delta: DeltaSink, hold: bool, forced: bool, thoughts: ThinkBlock | None = None):
-        self.on_delta = on_delta
-        self.holding = hold
-        self.forced = forced
-        self.held: list[str] = []
-        self.held_logprobs: list[dict[str, Any]] = []
-        self.thoughts = thoughts
-
-    def think(self, text: str) -> None:
-        if text:
-            self.on_delta(text, None, True)
-
-    def emit(self, text: str, logprobs: list[dict[str, Any]] | None) -> None:
-        if self.holding:
-            self.held.append(text)
-            self.held_logprobs += logprobs or []
-            if self.forced or may_become_call("".join(self.held)):
-                return
-            self.holding = False
-            text, logprobs = self.held_text(), self.held_logprobs or logprobs
-            self.held = []
-        if text or logprobs:
-            self.on_delta(text, logprobs)
-
-    def held_text(self) -> str:
-        return "".join(self.held)
-
-    def release(self, content: str) -> None:
-        """At the end: the answer text that was held (calls removed)."""
-        if self.holding and content:
-            self.on_delta(content, None)
-        self.held = []
-
-
-def _template_message(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI history as chat templates expect it: tool-call arguments as objects, not the JSON
-    strings OpenAI sends (templates render them with `tojson`, which would encode them twice)."""
-    message = dict(message)
-    if message.get("content") is None:
-        message["content"] = ""
-    calls = []
-    for call in message.get("tool_calls") or []:
-        function = dict(call.get("function", {}))
-        if isinstance(function.get("arguments"), str):
-            try:
-                function["arguments"] = json.loads(function["arguments"])
-            except json.JSONDecodeError:
-                pass
-        calls.append({**call, "function": function})
-    if calls:
-        message["tool_calls"] = calls
-    return message
-
-
-def _grammar(schema: dict[str, Any] | None) -> llama_cpp.LlamaGrammar | None:
-    if schema is None:
-        return None
-    if not schema:
-        return llama_cpp.LlamaGrammar.from_string(JSON_GBNF, verbose=False)
-    try:
-        return llama_cpp.LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
-    except (ValueError, RuntimeError) as exc:
-        raise InvalidRequest(f"the JSON schema cannot be turned into a grammar: {exc}", param="response_format") from exc
-
-
-def _token_logprobs(llm: llama_cpp.Llama, token: int, piece: bytes, top: int, index: int = -1) -> list[dict[str, Any]]:
-    """OpenAI's logprobs entry for the token just sampled, from the logits it was sampled from
-    (still in the context: the next evaluation has not run yet)."""
-    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, index), shape=(llm.n_vocab(),))
-    logprobs = logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
-    entry: dict[str, Any] = {
-        "token": piece.decode("utf-8", errors="replace"),
-        "logprob": float(logprobs[token]),
-        "bytes": list(piece),
-        "top_logprobs": [],
-    }
-    if top:
-        best = np.argpartition(-logprobs, top)[:top]
-        for alt in best[np.argsort(-logprobs[best])]:
-            alt_piece = llm.detokenize([int(alt)], special=False)
-            entry["top_logprobs"].append({"token": alt_piece.decode("utf-8", errors="replace"),
-                                          "logprob": float(logprobs[alt]), "bytes": list(alt_piece)})
-    return [entry]
-
-
-def _oom_as_typed(tokens: Iterator[int]) -> Iterator[int]:
-    """llama_decode returns -2/-3 when it cannot allocate its buffers: a device out of memory."""
-    try:
-        yield from tokens
-    except RuntimeError as exc:
-        if "llama_decode returned -2" in str(exc) or "llama_decode returned -3" in str(exc):
-            raise DeviceOutOfMemory(f"the engine ran out of memory: {exc}") from exc
-        raise
 
 
 def _pick(value: Any, name: str) -> Any:

@@ -11,6 +11,7 @@
 #                       only; HF_TOKEN for gated files, HF_ENDPOINT for another hub; --help)
 #   ./run.sh advise --needs chat,voice [--vram 24G --ram 64G | --unified --ram 32G] [--json | --config]
 #                       recommend a lineup from the catalog and write its config (venv step only)
+#   ./run.sh --catalog-block <id>[:<quant>]  print a catalog variant's [[models]] block
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -114,8 +115,13 @@ case "$cmd" in
     setup_venv
     exec "$VENV/bin/python" manage.py advise "$@"
     ;;
+  --catalog-block|catalog-block)
+    # The [[models]] block of a catalog variant, as GET /v1/models/catalog gives it.
+    setup_venv
+    exec "$VENV/bin/python" manage.py catalogblock "$@"
+    ;;
   *)
-    echo "usage: ./run.sh [serve|test|worker|setup|models|advise] [args...]" >&2
+    echo "usage: ./run.sh [serve|test|worker|setup|models|advise|--catalog-block] [args...]" >&2
     exit 2
     ;;
 esac

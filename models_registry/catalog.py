@@ -186,6 +186,9 @@ def _block_lines(entry: CatalogEntry, variant: CatalogVariant, weights: CatalogF
     if aux is not None:
         # A projector (vision) for a llama.cpp model; a VAE for an image model.
         lines.append(f'aux_path = "{aux.local}"')
+    if entry.engine == "ggml_llama":
+        # Checked against the GGUF when the block joins a running pool (POST /v1/models).
+        lines += ["[models.arch]", f'architecture = "{entry.architecture}"']
     return lines
 
 

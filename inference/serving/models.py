@@ -11,7 +11,7 @@ from hypnos_site.config import ModelConfig
 from inference.client import InferenceClient
 from inference.errors import NotFound
 from inference.serving.pool import pool
-from models_registry.catalog import catalog_path, describe, load_catalog
+from models_registry.catalog import catalog_path, describe, disk_size, load_catalog
 
 CREATED = 1_767_225_600  # 2026-01-01, a fixed `created` for configured models
 
@@ -61,10 +61,11 @@ async def model_files(client: InferenceClient, name: str) -> dict[str, Any]:
     """GET /v1/models/{id}/files: the files the model block names, and whether they are there."""
     await pool.ensure(client, name)
     model = pool.find(name)
-    path = settings.HYPNOS.weights_file(model)
-    size = path.stat().st_size if path.is_file() else None
+    files = [("weights", settings.HYPNOS.weights_file(model)), ("aux", settings.HYPNOS.aux_file(model))]
     return {"object": "list", "model": model.id, "data": [
-        {"name": path.name, "role": "weights", "path": str(path), "size_bytes": size, "exists": path.exists()}]}
+        {"name": path.name, "role": role, "path": str(path), "size_bytes": disk_size(path) if path.exists() else None,
+         "exists": path.exists()}
+        for role, path in files if path is not None]}
 
 
 def catalog(modality: str | None) -> dict[str, Any]:

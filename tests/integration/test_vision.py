@@ -185,3 +185,9 @@ async def test_memory_status_lists_vision_among_the_modalities(api, seeing):
 async def test_the_projector_counts_in_the_models_footprint(api, seeing, projector):
     plain, with_projector = seeing.tiers.entries[SMOL].footprint, seeing.tiers.entries[SEEING].footprint
     assert with_projector.weights_bytes == plain.weights_bytes + projector.stat().st_size
+
+
+async def test_the_files_of_a_seeing_model_include_its_projector(api, seeing, projector):
+    body = (await api.get(f"/v1/models/{SEEING}/files")).json()
+    assert [(f["role"], f["exists"]) for f in body["data"]] == [("weights", True), ("aux", True)]
+    assert body["data"][1]["size_bytes"] == projector.stat().st_size

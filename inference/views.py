@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from adrf.views import APIView
+from asgiref.sync import sync_to_async
 from django.http import HttpRequest, JsonResponse
 from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.request import Request
@@ -54,7 +55,8 @@ class ModelListView(APIView):
 
 class ModelCatalogView(APIView):
     async def get(self, request: Request) -> JsonResponse:
-        return JsonResponse(models.catalog(request.query_params.get("modality")))
+        # Off the event loop: the catalog reads the GGUF headers of the downloaded weights.
+        return JsonResponse(await sync_to_async(models.catalog)(request.query_params.get("modality")))
 
 
 class AdvisorView(APIView):

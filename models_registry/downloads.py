@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from hypnos_site.config import HypnosConfig, ModelConfig, ServerConfig
-from models_registry.catalog import CatalogEntry, CatalogFile, CatalogVariant
+from models_registry.catalog import CatalogEntry, CatalogFile, CatalogVariant, disk_size
 from models_registry.packaged import PackageMissing, convert_packaged_models, install_packaged_models
 
 logger = logging.getLogger(__name__)
@@ -100,11 +100,7 @@ def _missing_bytes(file: CatalogFile, dest: Path) -> int:
 
 def _size_on_disk(path: Path) -> int | None:
     """A file's size, a folder's total bytes, None when absent."""
-    if path.is_file():
-        return path.stat().st_size
-    if path.is_dir():
-        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    return None
+    return disk_size(path) if path.exists() else None
 
 
 def space_needed(planned: Iterable[PlannedFile], models_dir: Path) -> list[tuple[Path, int]]:

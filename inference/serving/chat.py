@@ -12,6 +12,7 @@ from typing import Any
 
 from django.conf import settings
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
+from pydantic import BaseModel
 
 from hypnos_site.config import ENGINE_SAMPLING_DEFAULTS, ModelConfig
 from inference.client import Event, InferenceCall, InferenceClient
@@ -37,28 +38,31 @@ def check_prompt_chars(chars: int, param: str) -> None:
         raise InvalidRequest(f"The input holds {chars} characters, above limits.max_prompt_chars ({limit}).", param=param)
 
 
-def sampling_payload(body: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
-    """The worker fields every text route shares: the request's, else the model's sampling
-    defaults ([models.sampling], or its saved options); max_tokens clamped to max_tokens_cap."""
-    cap = settings.HYPNOS.limits.max_tokens_cap
-    defaults = find_model(body.model).sampling
+def model_defaults(body: BaseModel, model: ModelConfig, *names: str) -> dict[str, Any]:
+    """Each named sampling field: the request's when it sent one, else the model's default
+    ([models.sampling], or its saved options) when it has one, else the request's own default."""
     sent = body.model_fields_set
+    picked = {}
+    for name in names:
+        default = getattr(model.sampling, name)
+        picked[name] = getattr(body, name) if name in sent or default is None else default
+    return picked
 
-    def pick(name: str) -> Any:
-        default = getattr(defaults, name)
-        return getattr(body, name) if name in sent or default is None else default
 
+def capped_max_tokens(requested: int | None, model: ModelConfig) -> int:
+    """The request's max_tokens, else the model's default, clamped to limits.max_tokens_cap."""
+    return min(requested or model.sampling.max_tokens or DEFAULT_MAX_TOKENS, settings.HYPNOS.limits.max_tokens_cap)
+
+
+def sampling_payload(body: SamplingFields, model: ModelConfig, max_tokens: int | None) -> dict[str, Any]:
+    """The worker fields every text route shares."""
     return {
-        "max_tokens": min(max_tokens or defaults.max_tokens or DEFAULT_MAX_TOKENS, cap),
-        "temperature": pick("temperature"),
-        "top_p": pick("top_p"),
-        "top_k": pick("top_k"),
+        "max_tokens": capped_max_tokens(max_tokens, model),
+        **model_defaults(body, model, "temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty",
+                         "repeat_penalty"),
         "seed": body.seed,
         "stop": body.stop_list(),
         "num_ctx": body.num_ctx or body.ctx_size,
-        "frequency_penalty": pick("frequency_penalty"),
-        "presence_penalty": pick("presence_penalty"),
-        "repeat_penalty": pick("repeat_penalty"),
     }
 
 
@@ -87,7 +91,7 @@ def chat_payload(body: ChatCompletionRequest) -> dict[str, Any]:
     check_prompt_chars(sum(len(m.text()) for m in body.messages), "messages")
     requested = [v for v in (body.max_tokens, body.max_completion_tokens) if v is not None]
     return {
-        **sampling_payload(body, min(requested) if requested else None),
+        **sampling_payload(body, model, min(requested) if requested else None),
         "messages": [worker_message(m) for m in body.messages],
         "tools": [t.model_dump() for t in body.tools] if body.tools else None,
         "tool_choice": body.tool_choice_value(),

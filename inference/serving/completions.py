@@ -31,11 +31,11 @@ from inference.serving.pool import pool
 
 
 def completion_payload(body: CompletionRequest) -> dict[str, Any]:
-    find_model(body.model)
+    model = find_model(body.model)
     prompt = body.prompt_text()
     check_prompt_chars(len(prompt), "prompt")
     return {
-        **sampling_payload(body, body.max_tokens),
+        **sampling_payload(body, model, body.max_tokens),
         "messages": [],
         "raw_prompt": prompt,
         "top_logprobs": body.logprobs,

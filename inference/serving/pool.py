@@ -89,7 +89,8 @@ def _catalog() -> Catalog | None:
 
 
 def _checked_model(body: dict[str, Any], model_id: str | None) -> tuple[ModelConfig, str, str]:
-    """The body's model after the startup checks, its block and its catalog spec."""
+    """The body's model after the startup checks, its block and its catalog spec (file reads:
+    called off the event loop)."""
     catalog = _catalog()
     spec = body.get("catalog")
     if isinstance(spec, str) == isinstance(body.get("config"), str):
@@ -130,7 +131,7 @@ async def _with_saved_options(model: ModelConfig) -> ModelConfig:
 
 async def add_model(client: InferenceClient, body: dict[str, Any]) -> dict[str, Any]:
     """POST /v1/models: the model joins the pool, cold; 400 when a check fails or its id is taken."""
-    model, block, spec = _checked_model(body, None)
+    model, block, spec = await sync_to_async(_checked_model)(body, None)
     model = await _with_saved_options(model)
     result = await client.control("add_model", {"config": model.model_dump(mode="json")})
     pool.invalidate()
@@ -141,7 +142,7 @@ async def replace_model(client: InferenceClient, model_id: str, body: dict[str, 
     """PUT /v1/models/{id}: the body's model takes the id once the old one has drained."""
     await pool.ensure(client, model_id)
     current = pool.find(model_id)
-    model, block, spec = _checked_model(body, current.id)
+    model, block, spec = await sync_to_async(_checked_model)(body, current.id)
     model = await _with_saved_options(model)
     payload = {"model": current.id, "config": model.model_dump(mode="json"),
                "drain_secs": _drain_secs(body.get("drain_secs", 120))}

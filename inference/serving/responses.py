@@ -16,10 +16,11 @@ from inference.client import Event, InferenceCall, InferenceClient
 from inference.errors import HypnosError, InvalidRequest
 from inference.protocol import ResponsesRequest
 from inference.serving.chat import (
-    DEFAULT_MAX_TOKENS,
+    capped_max_tokens,
     check_prompt_chars,
     collect,
     find_model,
+    model_defaults,
     record_stats,
     request_timed_out,
     sse_response,
@@ -65,7 +66,7 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
 
 
 def responses_payload(body: ResponsesRequest) -> dict[str, Any]:
-    find_model(body.model)
+    model = find_model(body.model)
     messages = input_messages(body)
     check_prompt_chars(sum(len(m["content"]) for m in messages), "input")
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
@@ -77,9 +78,8 @@ def responses_payload(body: ResponsesRequest) -> dict[str, Any]:
     schema = None if fmt is None or fmt.type == "text" else (fmt.schema_ or {})
     return {
         "messages": messages,
-        "max_tokens": min(body.max_output_tokens or DEFAULT_MAX_TOKENS, settings.HYPNOS.limits.max_tokens_cap),
-        "temperature": body.temperature,
-        "top_p": body.top_p,
+        "max_tokens": capped_max_tokens(body.max_output_tokens, model),
+        **model_defaults(body, model, "temperature", "top_p"),
         "seed": body.seed,
         "tools": tools or None,
         "tool_choice": choice,

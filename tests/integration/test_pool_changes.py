@@ -208,6 +208,11 @@ async def test_options_layer_defaults_config_and_saved_and_apply_at_once(api, po
     assert first["choices"][0]["message"]["content"] == second["choices"][0]["message"]["content"]
     # A request's own value wins over the saved default.
     assert (await post_json(api, URL, {**story, "max_tokens": 5})).json()["usage"]["completion_tokens"] == 5
+    # The other text routes take the same defaults.
+    response = (await post_json(api, "/v1/responses", {"model": SMOL, "input": "Write a long story."})).json()
+    assert response["usage"]["output_tokens"] == 3
+    completion = (await post_json(api, "/v1/completions", {"model": SMOL, "prompt": "Once upon a time"})).json()
+    assert completion["usage"]["completion_tokens"] == 3
 
     merged = (await post_json(api, url, {"temperature": None, "context_len": 3072})).json()
     assert merged["saved"] == {"max_tokens": 3, "context_len": 3072} and merged["action"] == "reloaded"

@@ -7,10 +7,13 @@ import uuid
 
 import httpx
 import openai
+import pytest
 
 from hypnos_site.config import BASE_DIR, load_config
 from tests.conftest import PARIS_MESSAGES
 from tests.e2e.conftest import Proc, base_env, free_port, run_manage, start, wait_ready, write_config
+
+pytestmark = pytest.mark.e2e
 
 QWEN = "qwen2.5-coder-0.5b"
 

@@ -140,8 +140,12 @@ async def test_phrases_are_joined_by_180_ms_of_silence(api):
 
 async def test_speed_changes_the_length(api):
     slow = int((await speak(api, "Good morning.", speed=0.5))["x-hypnos-audio-samples"])
+    normal = int((await speak(api, "Good morning.", speed=1.0))["x-hypnos-audio-samples"])
     fast = int((await speak(api, "Good morning.", speed=2.0))["x-hypnos-audio-samples"])
-    assert fast * 2.5 < slow
+    # Piper samples its phoneme durations (noise_w) and rounds each up to whole frames, so the
+    # 4x asked for comes out between about 2.4x and 4x; the order and a 2x margin always hold.
+    assert fast < normal < slow
+    assert fast * 2 < slow
 
 
 async def test_an_unknown_speech_format_is_400(api):

@@ -129,6 +129,12 @@ class LimitsConfig(_Strict):
     max_body_bytes: int = Field(default=256 * MIB, ge=1024)
     max_audio_bytes: int = Field(default=64 * MIB, ge=1)
     max_image_bytes: int = Field(default=32 * MIB, ge=1)
+    # Decoded size caps, read from the file's header before anything is decoded: a few KB of
+    # PNG can declare 13000x13000 pixels, a few hundred KB of FLAC an hour of samples.
+    max_image_pixels: int = Field(default=4096 * 4096, ge=1)
+    max_audio_secs: float = Field(default=1800, gt=0)
+    # The whole remote fetch (image and document URLs): resolution, redirects and body.
+    remote_fetch_timeout_secs: float = Field(default=10, gt=0)
     max_document_bytes: int = Field(default=100 * MIB, ge=1)
     max_prompt_chars: int = Field(default=1_000_000, ge=1)
     max_tokens_cap: int = Field(default=8192, ge=1)

@@ -48,6 +48,15 @@ class SpeechRequest(_Wire):
             raise ValueError(f"must be one of {', '.join(SPEECH_FORMATS)}")
         return value
 
+    @field_validator("input")
+    @classmethod
+    def _no_nul(cls, value: str) -> str:
+        # The phonemizers (espeak-ng under Piper and Kokoro) take C strings, which end at a NUL:
+        # dropping it silently would speak a text the client did not send, so it is refused.
+        if "\x00" in value:
+            raise ValueError(f"must not contain NUL characters (U+0000; the first at index {value.index(chr(0))})")
+        return value
+
 
 class TranscriptionRequest(_Wire):
     """The fields of POST /v1/audio/transcriptions once the upload is read (multipart or JSON)."""

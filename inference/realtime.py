@@ -110,6 +110,9 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
     # InferenceClient, to the worker. (With one, channels-redis would hold its receive lock on the
     # consumer's inbox while the client's reply channel, another local prefix, waited behind it.)
     channel_layer_alias = None
+    # Set when the key was refused: the socket is closing (1008), and what the client sent
+    # meanwhile is dropped (handling it without a session raised, which closed with 1011).
+    refused = False
 
     async def connect(self) -> None:
         await self.accept()
@@ -120,6 +123,7 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
 
         check = await database_sync_to_async(check_authorization)(header)
         if check.refused:
+            self.refused = True
             await self.send_event("error", error={"type": "invalid_request_error", "code": "invalid_api_key",
                                                   "message": check.problem, "param": None})
             await self.close(code=1008)
@@ -177,6 +181,8 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                                               "param": param, "event_id": event_id})
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        if self.refused:
+            return
         try:
             event = json.loads(text_data or "")
             kind = event["type"]
@@ -219,9 +225,15 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         except (binascii.Error, ValueError):
             await self.error("audio must be base64-encoded pcm16.", "invalid_value", event.get("event_id"), "audio")
             return
-        limit = settings.HYPNOS.limits.max_audio_bytes
-        if len(self.buffer) + len(pcm) > limit:
-            await self.error(f"The input audio buffer would exceed limits.max_audio_bytes ({limit}).",
+        limits = settings.HYPNOS.limits
+        if len(self.buffer) + len(pcm) > limits.max_audio_bytes:
+            await self.error(f"The input audio buffer would exceed limits.max_audio_bytes ({limits.max_audio_bytes}).",
+                             "buffer_too_large", event.get("event_id"), "audio")
+            return
+        # pcm16 at 24 kHz: two bytes a sample. A turn longer than this would be refused anyway.
+        if (len(self.buffer) + len(pcm)) / (2 * RATE) > limits.max_audio_secs:
+            await self.error(f"The input audio buffer would exceed limits.max_audio_secs "
+                             f"({limits.max_audio_secs:g} s); commit or clear it.",
                              "buffer_too_large", event.get("event_id"), "audio")
             return
         self.buffer += pcm

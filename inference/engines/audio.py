@@ -5,6 +5,7 @@ LAME for MP3, libopus in Ogg, FFmpeg's native AAC and FLAC). Imported by the wor
 from __future__ import annotations
 
 import io
+import math
 import re
 import struct
 from collections.abc import Iterator
@@ -36,24 +37,53 @@ SPEECH_FORMATS = tuple(CONTENT_TYPES)
 _BIT_RATES = {"mp3": 64_000, "opus": 48_000, "aac": 64_000}
 
 
-def decode_audio(data: bytes, rate: int = TRANSCRIBE_RATE) -> np.ndarray:
+def decode_audio(data: bytes, rate: int = TRANSCRIBE_RATE, *, max_secs: float | None = None,
+                 param: str = "file") -> np.ndarray:
     """Any container FFmpeg reads, as mono float32 samples at `rate`. Audio that cannot be
-    decoded (not audio, truncated, no audio stream) is a 400 naming the reason."""
+    decoded (not audio, truncated, no audio stream) is a 400 naming the reason and `param`.
+
+    Audio longer than `max_secs` is a 400 too: refused from the duration the container declares
+    when it declares one, and in any case as soon as decoding passes the cap (a file whose
+    header lies is never decoded further than that)."""
     resampler = av.AudioResampler(format="s16", layout="mono", rate=rate)
+    cap = None if max_secs is None else math.ceil(max_secs * rate) + rate // 100  # 10 ms for resampler rounding
     pieces: list[np.ndarray] = []
+    decoded = 0
     try:
         with av.open(io.BytesIO(data), mode="r", metadata_errors="ignore") as container:
             if not container.streams.audio:
-                raise InvalidRequest("The file holds no audio stream.", param="file")
+                raise InvalidRequest("The file holds no audio stream.", param=param)
+            declared = declared_secs(container)
+            if max_secs is not None and declared is not None and declared > max_secs:
+                raise too_long(declared, max_secs, param)
             for frame in container.decode(audio=0):
-                pieces += [f.to_ndarray().reshape(-1) for f in resampler.resample(frame)]
+                for out in resampler.resample(frame):
+                    pieces.append(out.to_ndarray().reshape(-1))
+                    decoded += pieces[-1].size
+                if cap is not None and decoded > cap:
+                    raise too_long(None, max_secs or 0, param)
             pieces += [f.to_ndarray().reshape(-1) for f in resampler.resample(None)]
     except (av.FFmpegError, ValueError, EOFError) as exc:
-        raise InvalidRequest(f"The audio could not be decoded: {exc}", param="file") from exc
+        raise InvalidRequest(f"The audio could not be decoded: {exc}", param=param) from exc
     samples = np.concatenate(pieces) if pieces else np.zeros(0, np.int16)
     if not samples.size:
-        raise InvalidRequest("The audio could not be decoded: it holds no samples.", param="file")
+        raise InvalidRequest("The audio could not be decoded: it holds no samples.", param=param)
     return samples.astype(np.float32) / 32768.0
+
+
+def declared_secs(container: av.container.InputContainer) -> float | None:
+    """The duration the container (or else its first audio stream) declares, or None."""
+    if container.duration:
+        return container.duration / av.time_base
+    stream = container.streams.audio[0]
+    if stream.duration and stream.time_base:
+        return float(stream.duration * stream.time_base)
+    return None
+
+
+def too_long(declared: float | None, max_secs: float, param: str) -> InvalidRequest:
+    length = f"is {declared:.1f} s long" if declared is not None else f"decodes to more than {max_secs:g} s"
+    return InvalidRequest(f"The audio {length}, above limits.max_audio_secs ({max_secs:g} s).", param=param)
 
 
 def phrases(text: str) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import warnings
 from pathlib import Path
 
 import llama_cpp
@@ -23,6 +24,26 @@ IMAGE_POSITION = -1
 # libmtmd logs through its own hooks: send them where llama.cpp's go (errors only unless verbose).
 mtmd.mtmd_log_set(llama_log_callback, ctypes.c_void_p(0))
 mtmd.mtmd_helper_log_set(llama_log_callback, ctypes.c_void_p(0))
+
+
+def decode_rgb(data: bytes, index: int) -> Image.Image:
+    """RGB pixels decoded with Pillow (PNG, JPEG, WebP, GIF, BMP, TIFF, ...), which reads more
+    formats than llama.cpp's own decoder. The web process checked the size already; this
+    process's own cap (Image.MAX_IMAGE_PIXELS, set from limits.max_image_pixels) is checked
+    again from the header, so no path decodes a larger image."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+                cap = Image.MAX_IMAGE_PIXELS
+                if cap is not None and width * height > cap:
+                    raise InvalidRequest(f"image {index + 1} of the request is {width}x{height} pixels, above "
+                                         f"limits.max_image_pixels ({cap}).", param="messages")
+                return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+        raise InvalidRequest(f"image {index + 1} of the request cannot be decoded: {exc}",
+                             param="messages") from exc
 
 
 class Projector:
@@ -74,14 +95,7 @@ class Projector:
                 mtmd.mtmd_bitmap_free(bitmap)
 
     def _bitmap(self, data: bytes, index: int) -> int:
-        """RGB pixels decoded with Pillow (PNG, JPEG, WebP, GIF, BMP, TIFF, ...), which reads
-        more formats than llama.cpp's own decoder."""
-        try:
-            with Image.open(io.BytesIO(data)) as image:
-                rgb = image.convert("RGB")
-        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
-            raise InvalidRequest(f"image {index + 1} of the request cannot be decoded: {exc}",
-                                 param="messages") from exc
+        rgb = decode_rgb(data, index)
         pixels = rgb.tobytes()
         bitmap = mtmd.mtmd_bitmap_init(rgb.width, rgb.height, (ctypes.c_uint8 * len(pixels)).from_buffer_copy(pixels))
         if not bitmap:

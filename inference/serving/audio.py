@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import math
 import uuid
 from collections.abc import AsyncIterator
@@ -65,13 +66,13 @@ def transcription_request(data: Any) -> tuple[TranscriptionRequest, bytes]:
     return parse_body(TranscriptionRequest, fields), upload.read()
 
 
-def audio_payload(audio: bytes, request_id: str) -> dict[str, Any]:
+def audio_payload(audio: bytes, request_id: str, param: str = "file") -> dict[str, Any]:
     """The upload for the worker: inline when small, else a spool file."""
     limit = settings.HYPNOS.limits.max_audio_bytes
     if len(audio) > limit:
-        raise InvalidRequest(f"The audio is {len(audio)} bytes, above limits.max_audio_bytes ({limit}).", param="file")
+        raise InvalidRequest(f"The audio is {len(audio)} bytes, above limits.max_audio_bytes ({limit}).", param=param)
     if not audio:
-        raise InvalidRequest("The audio file is empty.", param="file")
+        raise InvalidRequest("The audio file is empty.", param=param)
     if len(audio) <= INLINE_AUDIO_BYTES:
         return {"audio": base64.b64encode(audio).decode()}
     spool = settings.HYPNOS.data_dir / "spool"
@@ -81,19 +82,51 @@ def audio_payload(audio: bytes, request_id: str) -> dict[str, Any]:
     return {"audio_path": str(path)}
 
 
+def check_declared_secs(audio: bytes, max_secs: float, param: str) -> None:
+    """400 when the audio's container declares a duration above limits.max_audio_secs, read
+    from its header, so such a file never queues for the model. The worker enforces the cap
+    again while decoding (a header can lie or say nothing); audio FFmpeg cannot open is left
+    to it too, since it names the reason."""
+    try:
+        import av
+    except ImportError:  # a web host without the media packages: the worker's check stands
+        return
+    try:
+        with av.open(io.BytesIO(audio), mode="r", metadata_errors="ignore") as container:
+            if not container.streams.audio:
+                return
+            stream = container.streams.audio[0]
+            if container.duration:
+                declared = container.duration / av.time_base
+            elif stream.duration and stream.time_base:
+                declared = float(stream.duration * stream.time_base)
+            else:
+                return
+    except (av.FFmpegError, ValueError, EOFError):
+        return
+    if declared > max_secs:
+        raise InvalidRequest(f"The audio is {declared:.1f} s long, above limits.max_audio_secs ({max_secs:g} s).",
+                             param=param)
+
+
 async def transcribe(client: InferenceClient, body: TranscriptionRequest, audio: bytes,
-                     ctx: RequestContext) -> tuple[InferenceCall, Event]:
-    """Run a transcription to its end: the call and its `done` event (result and telemetry)."""
+                     ctx: RequestContext, param: str = "file") -> tuple[InferenceCall, Event]:
+    """Run a transcription to its end: the call and its `done` event (result and telemetry).
+    `param` is the request field the audio came in (input_audio clips: `messages`)."""
     await pool.ensure(client, body.model)
     find_model(body.model)
+    max_secs = settings.HYPNOS.limits.max_audio_secs
     payload = {
-        **audio_payload(audio, ctx.request_id),
+        **audio_payload(audio, ctx.request_id, param),
         "language": body.language,
         "prompt": body.prompt,
         "temperature": body.temperature,
         "word_timestamps": "word" in body.timestamp_granularities,
+        "max_audio_secs": max_secs,
+        "audio_param": param,
     }
     try:
+        await asyncio.to_thread(check_declared_secs, audio, max_secs, param)
         call, _started = await client.start("transcribe", body.model, payload, ctx.request_id, ctx.deadline_ms,
                                             ctx.next_model)
         return call, await final_event(call)

@@ -1,9 +1,12 @@
 """Image parts of chat messages (spec §7.1): `data:` URLs decoded, http(s) URLs fetched when
-limits.allow_remote_image_urls allows, each image at most limits.max_image_bytes.
+limits.allow_remote_image_urls allows, each image at most limits.max_image_bytes and, by its
+header, at most limits.max_image_pixels.
 
 A remote fetch refuses hosts that resolve to loopback, private, link-local, multicast or other
-non-public addresses unless limits.allow_private_urls is on, on every redirect hop, and
-connects to the address it checked (so a second DNS answer cannot point it elsewhere).
+non-public addresses (IPv4 embedded in IPv6 judged as itself) unless limits.allow_private_urls is
+on, on every redirect hop, and connects to the address it checked (so a second DNS answer cannot
+point it elsewhere). The whole fetch, redirects included, ends within
+limits.remote_fetch_timeout_secs.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import binascii
 import io
 import ipaddress
 import socket
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote_to_bytes, urljoin, urlsplit
@@ -26,15 +30,46 @@ from inference.errors import InvalidRequest
 
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 MAX_REDIRECTS = 5
-FETCH_TIMEOUT_SECS = 30.0
 USER_AGENT = "hypnos-image-fetch"
+# IPv6 prefixes whose last 32 bits are an IPv4 address a gateway or the host's own stack
+# reaches: IPv4-compatible (::a.b.c.d, RFC 4291), SIIT's IPv4-translated (::ffff:0:a.b.c.d,
+# RFC 2765) and NAT64's well-known prefix (64:ff9b::/96, RFC 6052). IPv4-mapped and 6to4 have
+# their own accessors in `ipaddress`.
+_TRAILING_IPV4_PREFIXES = (bytes(12), bytes(8) + b"\xff\xff\0\0", b"\0\x64\xff\x9b" + bytes(8))
+# NAT64 local-use prefixes (RFC 8215): where the IPv4 address sits depends on the operator's
+# prefix length, so the whole range is refused.
+_NAT64_LOCAL_USE = ipaddress.IPv6Network("64:ff9b:1::/48")
+
+
+def embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address carries (mapped, compatible, translated, NAT64, 6to4,
+    Teredo's client), or None."""
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    if address.sixtofour is not None:
+        return address.sixtofour
+    if address.teredo is not None:
+        return address.teredo[1]
+    if address.packed[:12] in _TRAILING_IPV4_PREFIXES:
+        return ipaddress.IPv4Address(address.packed[12:])
+    return None
 
 
 def is_public(address: IpAddress) -> bool:
-    """A globally routable unicast address (IPv4-mapped IPv6 judged as its IPv4 address)."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_global and not address.is_multicast
+    """A globally routable unicast address. An IPv6 address that embeds an IPv4 address is
+    judged by that IPv4 address too (a NAT64 gateway, a 6to4 relay or the host's own stack
+    would connect to it)."""
+    if isinstance(address, ipaddress.IPv4Address):
+        return address.is_global and not address.is_multicast
+    if address in _NAT64_LOCAL_USE:
+        return False
+    embedded = embedded_ipv4(address)
+    if embedded is not None and not is_public(embedded):
+        return False
+    if address.ipv4_mapped is not None or address.packed[:12] in _TRAILING_IPV4_PREFIXES:
+        # Prefixes `ipaddress` counts as reserved or private: the IPv4 address alone decides.
+        return True
+    return address.is_global and not (address.is_multicast or address.is_site_local or address.is_reserved)
 
 
 @dataclass(frozen=True)
@@ -45,12 +80,15 @@ class ImagePolicy:
     max_bytes: int
     allow_remote: bool
     allow_private: bool
+    max_pixels: int
+    fetch_timeout_secs: float
     public: Callable[[IpAddress], bool] = is_public
 
     @classmethod
     def from_limits(cls, limits: LimitsConfig) -> ImagePolicy:
         return cls(max_bytes=limits.max_image_bytes, allow_remote=limits.allow_remote_image_urls,
-                   allow_private=limits.allow_private_urls)
+                   allow_private=limits.allow_private_urls, max_pixels=limits.max_image_pixels,
+                   fetch_timeout_secs=limits.remote_fetch_timeout_secs)
 
 
 async def load_image(url: str, policy: ImagePolicy) -> bytes:
@@ -64,7 +102,7 @@ async def load_image(url: str, policy: ImagePolicy) -> bytes:
         data = await fetch(url, policy)
     else:
         raise InvalidRequest("image_url.url must be a data: URL or an http(s) URL.", param="messages")
-    check_image(data)
+    check_image(data, policy.max_pixels)
     return data
 
 
@@ -85,19 +123,44 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
     return data
 
 
-def check_image(data: bytes) -> None:
-    """400 unless Pillow recognises the bytes as an image (the engine decodes them fully)."""
+def check_image(data: bytes, max_pixels: int) -> None:
+    """400 unless Pillow recognises the bytes as an image of at most `max_pixels` (the worker
+    decodes them fully: a few KB of PNG can declare gigabytes of pixels). `Image.open` reads
+    only the header, so the size is known before anything is decompressed."""
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.verify()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        with warnings.catch_warnings():
+            # Pillow warns between MAX_IMAGE_PIXELS and twice that; the check below refuses it.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+                if width * height > max_pixels:
+                    raise InvalidRequest(
+                        f"An image is {width}x{height} pixels, above limits.max_image_pixels ({max_pixels}).",
+                        param="messages")
+                image.verify()
+    except Image.DecompressionBombError:
+        # Pillow's own cap (twice Image.MAX_IMAGE_PIXELS, set from the limit) refused it in open().
+        raise InvalidRequest(f"An image declares more pixels than limits.max_image_pixels allows ({max_pixels}).",
+                             param="messages") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         raise InvalidRequest(f"The image_url does not hold an image Hypnos can decode (PNG, JPEG, WebP, GIF, ...): "
                              f"{exc}", param="messages") from None
 
 
 async def fetch(url: str, policy: ImagePolicy) -> bytes:
-    """GET the URL, following redirects by hand so that every hop's host is checked."""
-    timeout = httpx.Timeout(FETCH_TIMEOUT_SECS)
+    """GET the URL, following redirects by hand so that every hop's host is checked, all of it
+    (resolution, redirects, a body that trickles in) within policy.fetch_timeout_secs."""
+    try:
+        async with asyncio.timeout(policy.fetch_timeout_secs):
+            return await _fetch(url, policy)
+    except TimeoutError:
+        raise InvalidRequest(f"Fetching the image URL {url!r} took longer than limits.remote_fetch_timeout_secs "
+                             f"({policy.fetch_timeout_secs:g} s).", param="messages") from None
+
+
+async def _fetch(url: str, policy: ImagePolicy) -> bytes:
+    # httpx's timeout is per connect or read; the overall deadline is fetch()'s.
+    timeout = httpx.Timeout(policy.fetch_timeout_secs)
     # trust_env off: a proxy would connect on our behalf, to hosts we never checked.
     async with httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False) as client:
         for _hop in range(MAX_REDIRECTS + 1):

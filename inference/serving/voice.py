@@ -34,7 +34,7 @@ async def transcribe_audio_parts(client: InferenceClient, body: ChatCompletionRe
         # The chat model is named as the next one, so it is brought up while Whisper runs.
         stage_ctx = RequestContext("req-" + uuid.uuid4().hex, ctx.deadline_ms, next_model=model.id)
         request = TranscriptionRequest(model=model.speech_to_text_model, filename=f"clip.{clip.input_audio.format}")
-        _call, done = await transcribe(client, request, audio, stage_ctx)
+        _call, done = await transcribe(client, request, audio, stage_ctx, param="messages")
         transcripts[id(clip)] = done["result"]["text"]
         telemetry = done["telemetry"]
         stages.append({"stage": "transcription", "model": model.speech_to_text_model,

@@ -105,7 +105,9 @@ def audio_bytes(payload: dict[str, Any]) -> bytes:
 def _transcribe(engine: Engine, payload: dict[str, Any], cancel: threading.Event, sink: Any) -> tuple[dict, dict]:
     from inference.engines.audio import TRANSCRIBE_RATE, decode_audio
 
-    samples = decode_audio(audio_bytes(payload))
+    # The web process sends its limits.max_audio_secs and the request's field for the audio.
+    samples = decode_audio(audio_bytes(payload), max_secs=payload.get("max_audio_secs"),
+                           param=payload.get("audio_param") or "file")
     duration = len(samples) / TRANSCRIBE_RATE
     result = engine.transcribe(samples, payload, cancel)
     return {**result, "duration_secs": round(duration, 3)}, {"audio_secs": round(duration, 3)}

@@ -5,7 +5,13 @@
 - `ChannelLayerTransport` (distributed): requests go to the `hypnos.inference` channel that every
   `manage.py runinference` listens on; events come back on a per-request reply channel, numbered,
   so a lost message is an error and not a silent gap. A worker that does not acknowledge within
-  `server.worker_ack_timeout_secs` is a 503, never a hang.
+  `server.worker_ack_timeout_secs` is a 503, never a hang; once it has, it sends a heartbeat on
+  the reply channel of every running request, and a worker silent for REPLY_DEADLINE_SECS (killed,
+  crashed, cut off) ends the request with the same 503 (in a stream: an error chunk).
+
+Once the engine runs, a request that gets no event for `limits.request_timeout_secs` (a stalled
+engine) ends with 504 `timeout` (spec §4: the engine-side timeout; the 408 of the timeout layer
+covers what happens before the response starts).
 
 Both pass the same plain-dict messages, so both deployments run the same worker code.
 """
@@ -13,6 +19,7 @@ Both pass the same plain-dict messages, so both deployments run the same worker 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
@@ -22,7 +29,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from inference.errors import HypnosError, ModelNotAvailable, ServerError
+from inference.errors import EngineTimeout, HypnosError, ModelNotAvailable, ServerError
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +38,18 @@ REQUEST_CHANNEL = "hypnos.inference"
 # A status is answered at once; this bounds a worker that accepted it and then stalled.
 STATUS_TIMEOUT_SECS = 10.0
 NO_WORKER = "No inference worker answered within {secs:g} s; start one with `manage.py runinference`."
+# The worker sends a heartbeat every HEARTBEAT_SECS (channel_server.py) on the reply channel of
+# a request that has nothing else to send; three missed ones mean the worker is gone.
+REPLY_DEADLINE_SECS = 1.5
+WORKER_LOST = ("The inference worker stopped answering (nothing for {secs:g} s); "
+               "it is being restarted or is gone. Retry shortly.")
+STALLED = "The engine produced nothing for {secs:g} s (limits.request_timeout_secs); the request was stopped."
+# Set in the task of an HTTP request whose status call (the pool refresh) found no worker, so
+# that the request itself answers at once instead of waiting worker_ack_timeout_secs a second
+# time; the message and when. A long-lived task (a realtime session) retries after NO_WORKER_MEMO_SECS.
+_no_worker_seen: contextvars.ContextVar[tuple[str, float] | None] = contextvars.ContextVar(
+    "hypnos_no_worker_seen", default=None)
+NO_WORKER_MEMO_SECS = 1.0
 
 
 class InferenceCall(ABC):
@@ -41,6 +60,8 @@ class InferenceCall(ABC):
         self.finished = False
         # The worker's estimate, made when it admitted the request (x-hypnos-estimated-wait-ms).
         self.estimated_wait_ms: float | None = None
+        # Once the engine runs: the longest wait for its next event before a 504 (None: no bound).
+        self.stall_timeout: float | None = None
 
     @abstractmethod
     async def next_event(self) -> Event: ...
@@ -49,9 +70,14 @@ class InferenceCall(ABC):
     async def abort(self) -> None: ...
 
     async def events(self) -> AsyncIterator[Event]:
-        """Every event until the terminal `done` or `error` (included)."""
+        """Every event until the terminal `done` or `error` (included). An engine silent for
+        `stall_timeout` is stopped and raises EngineTimeout (504)."""
         while not self.finished:
-            event = await self.next_event()
+            try:
+                event = await asyncio.wait_for(self.next_event(), self.stall_timeout)
+            except TimeoutError:
+                await self.abort()
+                raise EngineTimeout(STALLED.format(secs=self.stall_timeout)) from None
             if event["kind"] in ("done", "error", "result"):
                 self.finished = True
             yield event
@@ -71,6 +97,11 @@ class InferenceClient:
         """Submit a request and wait until the worker has started it (model loaded, engine
         running). Raises the typed error when the worker refuses it, so that every 4xx/5xx
         is known before a streaming response sends its first byte."""
+        missing = _no_worker_seen.get()
+        if missing is not None:
+            _no_worker_seen.set(None)
+            if time.monotonic() - missing[1] < NO_WORKER_MEMO_SECS:
+                raise ModelNotAvailable(missing[0])
         request = {"request_id": request_id or "req-" + uuid.uuid4().hex, "op": op, "model": model,
                    "payload": payload, "deadline_ms": deadline_ms, "next_model": next_model}
         call = await self.transport.submit(request)
@@ -85,23 +116,43 @@ class InferenceClient:
         if event["kind"] == "error":
             call.finished = True
             raise HypnosError.from_event(event)
+        call.stall_timeout = request_timeout_secs()
         return call, event
 
     async def control(self, op: str, payload: dict[str, Any] | None = None) -> Any:
-        """A control operation of the worker (status, memory_status, move): its one result."""
+        """A control operation of the worker (status, memory_status, move): its one result.
+        One that takes longer than limits.request_timeout_secs (a load that hangs) is a 504."""
         call = await self.transport.submit({"request_id": "req-" + uuid.uuid4().hex, "op": op, "payload": payload})
-        event = await call.next_event()
-        call.finished = True
+        timeout = request_timeout_secs()
+        try:
+            event = await asyncio.wait_for(call.next_event(), timeout)
+        except TimeoutError:
+            raise EngineTimeout(
+                f"The worker's {op} took longer than limits.request_timeout_secs ({timeout:g} s).") from None
+        finally:
+            call.finished = True
         if event["kind"] == "error":
             raise HypnosError.from_event(event)
         return event["result"]
 
     async def status(self) -> dict[str, Any] | None:
-        """The worker's status, or None when no worker answers."""
+        """The worker's status, or None when no worker answers (then a request made next in the
+        same task fails at once with the same 503)."""
         try:
             return await asyncio.wait_for(self.control("status"), STATUS_TIMEOUT_SECS)
-        except (TimeoutError, ModelNotAvailable):
+        except (TimeoutError, ModelNotAvailable) as exc:
+            message = exc.message if isinstance(exc, ModelNotAvailable) else NO_WORKER.format(secs=STATUS_TIMEOUT_SECS)
+            _no_worker_seen.set((message, time.monotonic()))
             return None
+
+
+def request_timeout_secs() -> float | None:
+    """limits.request_timeout_secs, read at call time (tests change the settings)."""
+    from django.conf import settings
+
+    if not settings.configured:
+        return None
+    return float(settings.HYPNOS.limits.request_timeout_secs)
 
 
 class _QueueCall(InferenceCall):
@@ -148,7 +199,7 @@ class ChannelLayerTransport(Transport):
         self.ack_timeout = ack_timeout_secs
 
     async def submit(self, request: dict[str, Any]) -> InferenceCall:
-        reply = await self.layer.new_channel("hypnos.reply.")
+        reply = await _guarded(self.layer.new_channel("hypnos.reply."))
         message = {
             "type": "inference.request",
             "reply_channel": reply,
@@ -168,14 +219,16 @@ class _ChannelCall(InferenceCall):
         self.expected_seq = 0
 
     async def next_event(self) -> Event:
+        """The next event of the request; heartbeats are taken here and never returned. Before
+        the worker accepted the request it has `ack_timeout`, then REPLY_DEADLINE_SECS between
+        two messages, to answer; after that the request is a 503."""
         while True:
-            if self.worker_channel is None:
-                try:
-                    message = await asyncio.wait_for(_guarded(self.layer.receive(self.reply)), self.ack_timeout)
-                except TimeoutError:
-                    raise ModelNotAvailable(NO_WORKER.format(secs=self.ack_timeout)) from None
-            else:
-                message = await _guarded(self.layer.receive(self.reply))
+            accepted = self.worker_channel is not None
+            wait = REPLY_DEADLINE_SECS if accepted else self.ack_timeout
+            try:
+                message = await asyncio.wait_for(_guarded(self.layer.receive(self.reply)), wait)
+            except TimeoutError:
+                raise ModelNotAvailable((WORKER_LOST if accepted else NO_WORKER).format(secs=wait)) from None
             if message.get("seq") != self.expected_seq:
                 raise ServerError(
                     f"reply {self.expected_seq} from the inference worker was lost (got {message.get('seq')})"
@@ -185,13 +238,22 @@ class _ChannelCall(InferenceCall):
             if event["kind"] == "accepted":
                 self.worker_channel = event["worker_channel"]
                 continue
+            if event["kind"] == "heartbeat":
+                continue
             return event
 
     async def abort(self) -> None:
+        """Tell the worker to stop the request. Never raises: it runs in the `finally` of the
+        serving code, where a failure would replace the error the client must get."""
         if self.worker_channel is None or self.finished:
             return
         self.finished = True
-        await self.layer.send(self.worker_channel, {"type": "inference.abort", "request_id": self.request_id})
+        abort = {"type": "inference.abort", "request_id": self.request_id}
+        try:
+            await asyncio.wait_for(_guarded(self.layer.send(self.worker_channel, abort)), REPLY_DEADLINE_SECS)
+        except (ModelNotAvailable, TimeoutError) as exc:
+            # The worker stops the request itself once its replies cannot be sent.
+            log.warning("request %s: the abort did not reach the worker: %s", self.request_id, exc)
 
 
 async def _guarded(operation: Awaitable[Any]) -> Any:

@@ -1,4 +1,10 @@
-"""The worker's side of the channel-layer transport (`manage.py runinference`)."""
+"""The worker's side of the channel-layer transport (`manage.py runinference`).
+
+Every running request's reply channel gets a `heartbeat` whenever HEARTBEAT_SECS pass with
+nothing else sent, so the web process tells a slow engine from a dead worker
+(inference/client.py REPLY_DEADLINE_SECS). A reply that cannot be sent (Redis gone) stops the
+request: nobody could read the rest.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ log = logging.getLogger(__name__)
 # Deltas waiting together are sent as one message; this bounds how long the first one waits.
 DELTA_BATCH_SECS = 0.005
 RECEIVE_RETRY_SECS = 1.0
+HEARTBEAT_SECS = 0.5
 TERMINAL = ("done", "error", "result")
 
 
@@ -69,6 +76,14 @@ class ChannelServer:
         task.add_done_callback(self._tasks.discard)
 
     async def _run(self, message: dict[str, Any]) -> None:
+        try:
+            await self._relay(message)
+        except Exception:
+            # The reply channel is unreachable: stop the engine instead of running for nobody.
+            log.exception("request %s: replies cannot be sent; aborting it", message.get("request_id", ""))
+            self.worker.abort(message.get("request_id", ""))
+
+    async def _relay(self, message: dict[str, Any]) -> None:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         reply = message["reply_channel"]
@@ -82,7 +97,11 @@ class ChannelServer:
         await send({"kind": "accepted", "worker_channel": self.own_channel})
         self.worker.submit(message, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
         while True:
-            event = await queue.get()
+            try:
+                event = await asyncio.wait_for(queue.get(), HEARTBEAT_SECS)
+            except TimeoutError:
+                await send({"kind": "heartbeat"})
+                continue
             if event["kind"] == "delta":
                 await asyncio.sleep(DELTA_BATCH_SECS)
                 event, terminal = _merge_deltas(event, queue)

@@ -8,12 +8,15 @@ TierManager's (memory/); this module carries them out with the engines.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +24,11 @@ from hypnos_site.config import HypnosConfig, ModelConfig
 from inference.engines.base import ChatWork, Engine
 from inference.errors import (
     STILL_STAGING,
+    Cancelled,
     DeadlineUnmeetable,
     DeviceOutOfMemory,
     HypnosError,
+    InsufficientMemory,
     InvalidRequest,
     ModelBusy,
     ModelDisabled,
@@ -49,7 +54,14 @@ SLOT_POLL_SECS = 0.05
 MIN_CONTEXT = 2048
 # The context estimate's budget for one image (spec §7.1).
 IMAGE_CONTEXT_TOKENS = 576
-CONTROL_OPS = ("status", "memory_status", "move", "set_limits", "kv_park", "enable", "disable", "moe_offload")
+CONTROL_OPS = ("status", "memory_status", "move", "set_limits", "kv_park", "enable", "disable", "moe_offload",
+               "fault")
+# An eviction of a model whose abandoned request is still in the engine waits this long for the
+# engine to reach its next token (or step) and stop.
+ENGINE_STOP_SECS = 30.0
+# `fault` (a real native crash in a running request's thread, for the supervisor's tests)
+# exists only when the worker runs with this set to 1.
+FAULT_INJECTION_ENV = "HYPNOS_FAULT_INJECTION"
 
 
 @dataclass
@@ -70,14 +82,69 @@ class ModelRuntime:
     enabled: bool = field(init=False)
     # Set while the model is being replaced or removed: new requests wait for it (worker/pool.py).
     change_done: threading.Event | None = None
+    # Requests inside the engine's generation now, abandoned ones included (their lease is
+    # already released): the engine is not unloaded or changed until they are out.
+    engine_users: int = 0
+    engine_idle: threading.Condition = field(default_factory=threading.Condition)
 
     def __post_init__(self) -> None:
         # Requests that may run at once: the model's execution slots.
         self.slots = threading.BoundedSemaphore(self.config.slots)
         self.enabled = self.config.enabled
 
+    def wait_engine_idle(self, timeout: float = ENGINE_STOP_SECS) -> None:
+        """Until no request is inside the engine; 507 when an abandoned one does not stop."""
+        with self.engine_idle:
+            if not self.engine_idle.wait_for(lambda: self.engine_users == 0, timeout):
+                raise InsufficientMemory(
+                    f"The model {self.config.id!r} is still stopping an abandoned request; retry shortly.")
+
     def note_service(self, ms: float) -> None:
         self.service_ms = ms if self.service_ms is None else 0.7 * self.service_ms + 0.3 * ms
+
+
+class _Lease:
+    """A request's lease on its model. Released once: when the request ends, or at once when
+    the request is abandoned while the engine generates (the engine stops at its next token;
+    evicting the model meanwhile waits for that: ModelRuntime.wait_engine_idle)."""
+
+    def __init__(self, tiers: TierManager, runtime: ModelRuntime, cancel: threading.Event):
+        self.tiers, self.runtime, self.cancel = tiers, runtime, cancel
+        self._held = True
+        self._generating = False
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            held, self._held = self._held, False
+        if held:
+            self.tiers.release(self.runtime.config.id)
+
+    def abandon(self) -> None:
+        with self._lock:
+            early = self._generating
+        if early:
+            self.release()
+
+    @contextmanager
+    def generating(self) -> Iterator[None]:
+        """The engine call: counted in the model's engine users; a request cancelled before it
+        does not enter (Cancelled)."""
+        runtime = self.runtime
+        with self._lock:
+            if self.cancel.is_set():
+                raise Cancelled("the request was cancelled")
+            self._generating = True
+            with runtime.engine_idle:
+                runtime.engine_users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._generating = False
+            with runtime.engine_idle:
+                runtime.engine_users -= 1
+                runtime.engine_idle.notify_all()
 
 
 def needed_context(work: ChatWork) -> int:
@@ -114,6 +181,9 @@ class Worker(TierMoves, StatusReports):
         # One placement decision (plan, evictions, booking) at a time; loads run outside it.
         self._placement_lock = threading.RLock()
         self._cancels: dict[str, threading.Event] = {}
+        self._leases: dict[str, _Lease] = {}
+        # Request ids armed by the `fault` control op (FAULT_INJECTION_ENV).
+        self._faults: set[str] = set()
         self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="hypnos-infer")
         self._staged = threading.Event()
         self._stopping = threading.Event()
@@ -189,6 +259,8 @@ class Worker(TierMoves, StatusReports):
             entry = self.tiers.entries.get(model_id)
             if not enabled and entry is not None and entry.leases:
                 raise ModelBusy(f"The model {model_id!r} is serving requests; retry when it is idle.")
+            if not enabled:
+                runtime.wait_engine_idle()
             runtime.enabled = enabled
             if not enabled and runtime.engine is not None and entry is not None:
                 self.kv_parking.drop(model_id)
@@ -228,6 +300,8 @@ class Worker(TierMoves, StatusReports):
             sink(InvalidRequest(f"malformed worker request: {exc}").as_event())
             return
         sink({"kind": "queued", "estimated_wait_ms": estimate})
+        if os.environ.get(FAULT_INJECTION_ENV) == "1":
+            sink = self._faulty(request["request_id"], sink)
         cancel = threading.Event()
         self._cancels[request["request_id"]] = cancel
         self._executor.submit(self._run, runtime, request["request_id"], work, cancel, sink)
@@ -244,10 +318,29 @@ class Worker(TierMoves, StatusReports):
         except HypnosError as exc:
             log.info("prefetch of %s skipped: %s", name, exc.message)
 
+    def _faulty(self, request_id: str, sink: Sink) -> Sink:
+        """The request's sink, crashing the process natively (SIGSEGV) in the thread that emits
+        the request's next event once `fault` armed it: the engine's thread, mid-generation."""
+        def emit(event: Event) -> None:
+            if request_id in self._faults:
+                log.error("request %s: fault injection, reading address 0", request_id)
+                ctypes.string_at(0)
+            sink(event)
+
+        return emit
+
+    def _arm_fault(self, payload: dict[str, Any]) -> dict[str, Any]:
+        if os.environ.get(FAULT_INJECTION_ENV) != "1":
+            raise InvalidRequest(f"fault injection is off ({FAULT_INJECTION_ENV} is not 1 on the worker)")
+        self._faults.add(payload["request_id"])
+        return {"armed": payload["request_id"]}
+
     def _control(self, op: str, payload: dict[str, Any], sink: Sink) -> None:
         try:
-            if op == "status":
-                result: Any = self.status()
+            if op == "fault":
+                result: Any = self._arm_fault(payload)
+            elif op == "status":
+                result = self.status()
             elif op == "memory_status":
                 result = self.memory_status()
             elif op in ("enable", "disable"):
@@ -297,9 +390,21 @@ class Worker(TierMoves, StatusReports):
             )
 
     def abort(self, request_id: str) -> None:
+        """Stop a request (its client left): the engine stops at its next token, and a lease
+        held while it generates is released now, so a request behind it finds the room free."""
         cancel = self._cancels.get(request_id)
         if cancel is not None:
             cancel.set()
+        lease = self._leases.get(request_id)
+        if lease is not None:
+            lease.abandon()
+
+    def _demote(self, model_id: str, engine: Engine, to_tier: MemoryTier) -> None:
+        """TierMoves._demote, once no abandoned request is still inside the engine."""
+        runtime = self.models.get(model_id)
+        if runtime is not None:
+            runtime.wait_engine_idle()
+        super()._demote(model_id, engine, to_tier)
 
     def _admit(self, runtime: ModelRuntime, deadline_ms: float | None) -> float | None:
         """Count the request in, or refuse it (429 queue full, 503 deadline unmeetable); the
@@ -346,7 +451,8 @@ class Worker(TierMoves, StatusReports):
     def _run(self, runtime: ModelRuntime, request_id: str, work: ChatWork | MediaWork, cancel: threading.Event,
              sink: Sink) -> None:
         arrived = time.perf_counter()
-        holding_slot = leased = False
+        holding_slot = False
+        lease: _Lease | None = None
         final: Event | None = None
         try:
             while not runtime.slots.acquire(timeout=SLOT_POLL_SECS):
@@ -356,12 +462,12 @@ class Worker(TierMoves, StatusReports):
             with self._placement_lock:
                 engine = self._engine(runtime)
                 self.tiers.lease(runtime.config.id)
-                leased = True
+                lease = self._leases[request_id] = _Lease(self.tiers, runtime, cancel)
             queue_ms = (time.perf_counter() - arrived) * 1000
             if isinstance(work, MediaWork):
                 final = serve_media(self, runtime, engine, work, cancel, sink, queue_ms)
             else:
-                final = self._serve_chat(runtime, engine, work, cancel, sink, queue_ms)
+                final = self._serve_chat(runtime, engine, work, lease, sink, queue_ms)
             runtime.note_service((time.perf_counter() - arrived) * 1000 - queue_ms)
         except HypnosError as exc:
             final = exc.as_event()
@@ -371,20 +477,35 @@ class Worker(TierMoves, StatusReports):
         finally:
             # Everything is released before the client hears the end, so its next request
             # never finds this one's lease or slot still held.
-            if leased:
-                self.tiers.release(runtime.config.id)
+            if lease is not None:
+                lease.release()
             if holding_slot:
                 runtime.slots.release()
             with self._lock:
                 runtime.admitted -= 1
             self._cancels.pop(request_id, None)
+            self._leases.pop(request_id, None)
+            self._faults.discard(request_id)
             if final is not None:
                 sink(final)
 
-    def _serve_chat(self, runtime: ModelRuntime, engine: Engine, work: ChatWork, cancel: threading.Event,
+    def _serve_chat(self, runtime: ModelRuntime, engine: Engine, work: ChatWork, lease: _Lease,
                     sink: Sink, queue_ms: float) -> Event:
         """Run the chat, streaming deltas into `sink`; the terminal `done` event is returned."""
+        cancel = lease.cancel
         switch = self._ensure_tier1(runtime, needed_context(work))
+        # Rendered, tokenised and its grammar built before `started`: a refusal (a schema the
+        # grammar limits refuse, a prompt beyond the context) is a 4xx before a stream's first byte.
+        work = engine.prepare_chat(work, self.config.limits)
+        tokens = work.prepared.tokens if work.prepared is not None else None
+        fits_model = bool(tokens) and len(tokens) < (engine.trained_context_len or len(tokens) + 1)
+        if fits_model and not work.num_ctx and len(tokens) + work.max_tokens > engine.context_len:
+            # The estimate from characters fell short: grow the context to the counted tokens.
+            grown = self._ensure_tier1(runtime, len(tokens) + work.max_tokens)
+            if grown.phases is not None:
+                switch.phases = grown.phases if switch.phases is None else switch.phases.plus(grown.phases)
+                switch.evicted += grown.evicted
+        engine.check_context(work)
         sink({"kind": "started", "previous_tier": str(switch.previous_tier)})
         sent = False
 
@@ -398,13 +519,15 @@ class Worker(TierMoves, StatusReports):
 
         started = time.perf_counter()
         try:
-            result = engine.chat(work, cancel, on_delta)
+            with lease.generating():
+                result = engine.chat(work, cancel, on_delta)
         except DeviceOutOfMemory:
             if sent:
                 raise
             # Spec §4: evict the idle models and retry once.
             switch.evicted += self._evict_idle(runtime.config.id, "device_out_of_memory")
-            result = engine.chat(work, cancel, on_delta)
+            with lease.generating():
+                result = engine.chat(work, cancel, on_delta)
         inference_ms = (time.perf_counter() - started) * 1000
         telemetry: dict[str, Any] = {
             "previous_tier": str(switch.previous_tier),

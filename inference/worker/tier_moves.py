@@ -216,8 +216,10 @@ class TierMoves:
             for model_id, runtime in list(self.models.items()):
                 with self._placement_lock:
                     entry = self.tiers.entries.get(model_id)
-                    # No lease: no request runs on the engine, and none can start meanwhile.
-                    if runtime.engine is not None and runtime.engine.loaded and entry is not None and not entry.leases:
+                    # No lease: no request can start meanwhile; no engine user: no abandoned one
+                    # (its lease already released) is still stopping.
+                    if (runtime.engine is not None and runtime.engine.loaded and entry is not None
+                            and not entry.leases and not runtime.engine_users):
                         dropped = runtime.engine.empty_idle_slots(idle_secs)
                         if dropped:
                             log.info("%s: emptied %d tokens of KV idle for %gs", model_id, dropped, idle_secs)

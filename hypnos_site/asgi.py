@@ -22,7 +22,11 @@ if settings.HYPNOS.server.deployment == "embedded":
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
+from inference.middleware import RealtimeOriginValidator  # noqa: E402
 from inference.realtime import websocket_urlpatterns  # noqa: E402
 
-# WS /v1/realtime (realtime transcription) beside every HTTP route.
-application = ProtocolTypeRouter({"http": django_application, "websocket": URLRouter(websocket_urlpatterns)})
+# WS /v1/realtime (realtime transcription) beside every HTTP route; its handshake passes the
+# Host and Origin checks of the HTTP routes (a page may open a WebSocket to any origin).
+application = ProtocolTypeRouter(
+    {"http": django_application, "websocket": RealtimeOriginValidator(URLRouter(websocket_urlpatterns))}
+)

@@ -77,6 +77,9 @@ class ServerConfig(_Strict):
     api_keys: list[str] = []
     keys: list[KeyConfig] = []
     allowed_origins: list[str] = []
+    # Host header names answered besides loopback ones and `host` (a reverse proxy's name, a
+    # LAN name); any other Host is a 400, which is what stops DNS rebinding. "*" allows all.
+    allowed_hosts: list[str] = []
     tls: TlsConfig | None = None
     # embedded: one process, SQLite, in-process worker. distributed: daphne + runinference + Redis.
     deployment: Literal["embedded", "distributed"] = "embedded"

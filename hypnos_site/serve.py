@@ -7,6 +7,7 @@ import sys
 
 from daphne.cli import CommandLineInterface
 
+from hypnos_site import edge
 from hypnos_site.config import ConfigError, get_config
 
 
@@ -25,6 +26,8 @@ def main() -> None:
         args = daphne_args()
     except ConfigError as exc:
         sys.exit(f"hypnos: {exc}")
+    # Before daphne builds its first request: bodies are capped while they stream in (edge.py).
+    edge.install()
     CommandLineInterface().run(["--application-close-timeout", "30", *args])
 
 

@@ -2,17 +2,59 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import secrets
+import tempfile
+from pathlib import Path
 
 import dj_database_url
 
-from hypnos_site.config import BASE_DIR, get_config
+from hypnos_site.config import BASE_DIR, HypnosConfig, get_config
 
 HYPNOS = get_config()
 
-SECRET_KEY = os.environ.get("HYPNOS_SECRET_KEY") or "hypnos-local-" + str(HYPNOS.data_dir)
+
+def _secret_key(data_dir: Path) -> str:
+    """HYPNOS_SECRET_KEY, else a random key made on the first start and kept in
+    `data_dir/secret_key` (mode 0600), so sessions and signed values survive restarts and the key
+    is not guessable from anything public. Several processes may start at once: the file appears
+    whole (hard link of a finished temporary file) and the first one made wins."""
+    if os.environ.get("HYPNOS_SECRET_KEY"):
+        return os.environ["HYPNOS_SECRET_KEY"]
+    path = data_dir / "secret_key"
+    if not path.exists():
+        data_dir.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=data_dir, prefix=".secret_key-")  # mode 0600
+        try:
+            with os.fdopen(fd, "w") as file:
+                file.write(secrets.token_urlsafe(50) + "\n")
+            os.link(temporary, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(temporary)
+    return path.read_text().strip()
+
+
+def _allowed_hosts(config: HypnosConfig) -> list[str]:
+    """The Host names answered (spec §1): loopback, the address bound, `server.allowed_hosts`.
+    A wildcard bind address (0.0.0.0, ::) is no name a client should use."""
+    hosts = ["localhost", "127.0.0.1", "[::1]"]
+    bound = config.server.host
+    try:
+        address = ipaddress.ip_address(bound)
+    except ValueError:
+        hosts.append(bound)
+    else:
+        if not address.is_unspecified:
+            hosts.append(f"[{address}]" if address.version == 6 else str(address))
+    return [*dict.fromkeys([*hosts, *config.server.allowed_hosts])]
+
+
+SECRET_KEY = _secret_key(HYPNOS.data_dir)
 DEBUG = os.environ.get("HYPNOS_DEBUG", "") == "1"
-ALLOWED_HOSTS = ["*"]
+ALLOWED_HOSTS = _allowed_hosts(HYPNOS)
 
 INSTALLED_APPS = [
     "daphne",
@@ -37,6 +79,8 @@ MIDDLEWARE = [
     # answers that never reach a view.
     "hypnos_site.metrics.PrometheusBeforeMiddleware",
     "inference.middleware.RequestIdMiddleware",
+    # Host, Origin and content type: what keeps a web page from using the API (spec §1).
+    "inference.middleware.BrowserGuardMiddleware",
     "inference.middleware.BodyLimitMiddleware",
     "corsheaders.middleware.CorsMiddleware",
     "hypnos_site.metrics.PrometheusAfterMiddleware",
@@ -44,6 +88,7 @@ MIDDLEWARE = [
     # 429 and 403 answers carry the CORS headers too.
     "logs.middleware.InferenceAccountingMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -102,7 +147,8 @@ FILE_UPLOAD_MAX_MEMORY_SIZE = 8 << 20
 
 REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    # JSON nested at most 64 deep (inference/parsers.py).
+    "DEFAULT_PARSER_CLASSES": ["inference.parsers.JSONParser"],
     "DEFAULT_AUTHENTICATION_CLASSES": ["models_registry.authentication.ApiKeyAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["models_registry.authentication.HasApiKeyWhenRequired"],
     "EXCEPTION_HANDLER": "inference.errors.exception_handler",
@@ -148,6 +194,18 @@ CORS_ALLOW_HEADERS = [
     "x-stainless-retry-count",
     "x-stainless-timeout",
 ]
+
+# With [server.tls] every request arrives over TLS: cookies only over it, and browsers told to
+# use nothing else (HSTS). X-Content-Type-Options and X-Frame-Options on every response.
+_TLS = HYPNOS.server.tls is not None
+SESSION_COOKIE_SECURE = _TLS
+CSRF_COOKIE_SECURE = _TLS
+SECURE_SSL_REDIRECT = _TLS
+SECURE_HSTS_SECONDS = 365 * 24 * 3600 if _TLS else 0
+SECURE_HSTS_INCLUDE_SUBDOMAINS = _TLS
+SECURE_HSTS_PRELOAD = _TLS
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
 
 STATIC_URL = "static/"
 STATIC_ROOT = HYPNOS.data_dir / "static"

@@ -80,6 +80,13 @@ class UnprocessableEntity(InvalidRequest):
     status = 422
 
 
+class UnsupportedMediaType(InvalidRequest):
+    """A body in a media type the route does not read (text/plain, a form where JSON is due)."""
+
+    status = 415
+    code = "unsupported_media_type"
+
+
 class AuthenticationError(HypnosError):
     status = 401
     type = "invalid_request_error"
@@ -190,7 +197,7 @@ STILL_STAGING = (
 
 def _from_drf(exc: drf.APIException) -> HypnosError:
     if isinstance(exc, drf.ParseError):
-        return InvalidRequest(f"We could not parse the JSON body of your request: {exc.detail}")
+        return InvalidRequest(f"We could not parse the body of your request: {exc.detail}")
     if isinstance(exc, (drf.NotAuthenticated, drf.AuthenticationFailed)):
         return AuthenticationError(str(exc.detail))
     if isinstance(exc, drf.PermissionDenied):
@@ -198,9 +205,7 @@ def _from_drf(exc: drf.APIException) -> HypnosError:
     if isinstance(exc, drf.MethodNotAllowed):
         return MethodNotAllowed(str(exc.detail))
     if isinstance(exc, drf.UnsupportedMediaType):
-        err = InvalidRequest(str(exc.detail), code="unsupported_media_type")
-        err.status = 415
-        return err
+        return UnsupportedMediaType(str(exc.detail))
     if isinstance(exc, drf.NotFound):
         return NotFound(str(exc.detail))
     err = InvalidRequest(str(exc.detail))

@@ -1,16 +1,29 @@
-"""Cross-cutting HTTP behaviour: request ids on every response and the body limit."""
+"""Cross-cutting HTTP behaviour: request ids on every response, the body limit, and the checks
+that keep web pages from using the server (Host, Origin, content type)."""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+from urllib.parse import urlsplit
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from channels.security.websocket import OriginValidator, WebsocketDenier
 from django.conf import settings
+from django.core.exceptions import DisallowedHost, SuspiciousOperation
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
+from django.http.multipartparser import MultiPartParserError
+from django.http.request import split_domain_port, validate_host
+from django.urls import Resolver404, resolve
+from rest_framework.utils.mediatypes import media_type_matches
 
 from inference import latency
+from inference.errors import InvalidRequest, PermissionDenied, UnsupportedMediaType
+from inference.parsers import multipart_problem
+from inference.views import UnknownRouteView
 
 
 def new_request_id() -> str:
@@ -103,3 +116,125 @@ class BodyLimitMiddleware(_Middleware):
                 content_type="text/plain; charset=utf-8",
             )
         return None
+
+
+STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def origin_allowed(origin: str, host: str) -> bool:
+    """An Origin header the server takes state-changing calls from: a CORS origin of settings
+    (loopback, `server.allowed_origins`) or the server's own origin (`host`: an allowed Host)."""
+    if any(re.match(pattern, origin) for pattern in settings.CORS_ALLOWED_ORIGIN_REGEXES):
+        return True
+    parts = urlsplit(origin)
+    return parts.scheme in ("http", "https") and parts.netloc.lower() == host.lower()
+
+
+class BrowserGuardMiddleware(_Middleware):
+    """What keeps a web page from using a server on this machine, keys or not (spec §1):
+
+    - the Host header must be one the server answers to (settings.ALLOWED_HOSTS: loopback names,
+      server.host, server.allowed_hosts), else 400: a DNS-rebinding page reaches 127.0.0.1 under
+      its own name and would otherwise be same-origin with the API;
+    - a state-changing call whose Origin header is present must come from an allowed origin,
+      else 403 permission_denied: a cross-site form or fetch() needs no preflight;
+    - a state-changing call to a DRF route must send a media type one of its parsers reads
+      (JSON, or multipart where the route takes it), else 415: text/plain and
+      x-www-form-urlencoded are the content types a page may send without a preflight.
+
+    Clients that are not browsers send no Origin header and a JSON body: nothing changes for them.
+    """
+
+    def before(self, request: HttpRequest) -> HttpResponseBase | None:
+        try:
+            host = request.get_host()
+        except DisallowedHost:
+            raw = request.META.get("HTTP_HOST", "")[:200]
+            return InvalidRequest(
+                f"The Host header {raw!r} is not a name this server answers to; "
+                "an operator adds it to server.allowed_hosts.",
+                code="disallowed_host",
+            ).response()
+        if request.method not in STATE_CHANGING:
+            return None
+        origin = request.headers.get("origin")
+        if origin is not None and not origin_allowed(origin, host):
+            return PermissionDenied(
+                f"Calls from the web origin {origin[:200]!r} may not change anything here; "
+                "an operator adds it to server.allowed_origins.",
+                code="origin_not_allowed",
+            ).response()
+        return _media_type_refusal(request)
+
+
+# What a page may send cross-site without a preflight (the CORS-safelisted request types).
+SIMPLE_MEDIA_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def _media_type_refusal(request: HttpRequest) -> HttpResponseBase | None:
+    try:
+        match = resolve(request.path_info)
+    except Resolver404:
+        return None
+    view_class = getattr(match.func, "cls", None)
+    # Not a DRF route (the admin has Django's CSRF protection), or the catch-all 404 of /v1.
+    if view_class is None or issubclass(view_class, UnknownRouteView):
+        return None
+    parsers = view_class.parser_classes
+    media_type = request.META.get("CONTENT_TYPE", "").strip()
+    accepted = [parser.media_type for parser in parsers]
+    if media_type and any(media_type_matches(accepted_type, media_type) for accepted_type in accepted):
+        return _multipart_refusal(request)
+    # A body the route cannot read, or a preflight-free type even without a body.
+    if not _has_body(request) and not request.content_type.lower().startswith(SIMPLE_MEDIA_TYPES):
+        return None
+    return UnsupportedMediaType(
+        f"Content-Type {media_type[:100]!r} is not accepted here; send {' or '.join(accepted)}.",
+        param="Content-Type",
+    ).response()
+
+
+def _multipart_refusal(request: HttpRequest) -> HttpResponseBase | None:
+    """A multipart body Django cannot split (no boundary, a cut part, more fields or files than
+    DATA_UPLOAD_MAX_NUMBER_FIELDS / _FILES) is a 400 in the envelope here. Read later, by the
+    request log's middleware or by DRF, it was Django's bare HTML 400 (or a 500 through DRF).
+    The parts read here are what the view gets (request.POST and FILES are kept)."""
+    if request.content_type != "multipart/form-data":
+        return None
+    try:
+        request.POST  # noqa: B018 (parses and keeps the parts)
+    except (MultiPartParserError, SuspiciousOperation) as exc:
+        return InvalidRequest(f"The multipart/form-data body could not be read: {multipart_problem(exc)}").response()
+    return None
+
+
+def _has_body(request: HttpRequest) -> bool:
+    length = request.META.get("CONTENT_LENGTH") or "0"
+    return length != "0" or "HTTP_TRANSFER_ENCODING" in request.META
+
+
+class RealtimeOriginValidator(OriginValidator):
+    """WS /v1/realtime with the HTTP routes' rules: a handshake whose Host is not served here,
+    or whose Origin (browsers always send one) is not allowed, is refused (403 on the
+    handshake). Clients that are not browsers send no Origin and pass."""
+
+    def __init__(self, application: Any):
+        super().__init__(application, allowed_origins=[])
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> Any:
+        if self.handshake_allowed(_header(scope, b"host"), _header(scope, b"origin")):
+            return await self.application(scope, receive, send)
+        return await WebsocketDenier()(scope, receive, send)
+
+    def handshake_allowed(self, host: str, origin: str | None) -> bool:
+        domain, _ = split_domain_port(host or "")
+        if not domain or not validate_host(domain, settings.ALLOWED_HOSTS):
+            return False
+        return origin is None or origin_allowed(origin, host)
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return value.decode("latin1")
+    return None

@@ -7,13 +7,13 @@ import time
 from adrf.views import APIView
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, JsonResponse
-from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.request import Request
 
 from hypnos_site import __version__
 from inference import latency
 from inference.client import get_client
 from inference.errors import InvalidRequest, NotFound
+from inference.parsers import JSONParser, MultiPartParser
 from inference.protocol import (
     AdvisorRequest,
     ChatCompletionRequest,
@@ -158,7 +158,8 @@ class _AnyAccept:
 
 class AudioTranscriptionsView(_AnyAccept, APIView):
     # Multipart is what the OpenAI SDKs send; JSON with audio_bytes is accepted too (spec §9).
-    parser_classes = [MultiPartParser, FormParser, JSONParser]
+    # No url-encoded forms: a web page may post one cross-site without a preflight.
+    parser_classes = [MultiPartParser, JSONParser]
 
     async def post(self, request: Request) -> object:
         body, audio_data = audio.transcription_request(request.data)

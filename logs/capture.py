@@ -104,10 +104,11 @@ def input_text(body: Any) -> str | None:
 
 
 def json_body(raw: bytes) -> Any:
-    """The JSON document `raw` holds, or None."""
+    """The JSON document `raw` holds, or None (also when it nests too deep to parse: the
+    route's parser answers that body with a 400)."""
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
 
 

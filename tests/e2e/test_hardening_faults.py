@@ -1,0 +1,289 @@
+"""Faults between web and worker (issue 12), on a distributed deployment of the module's own:
+daphne + a supervised `runinference` (with HYPNOS_FAULT_INJECTION=1) + a Redis the tests kill and
+start again, + the session's PostgreSQL.
+
+- the worker killed (SIGKILL) or crashing natively (SIGSEGV in libc, from the engine's thread)
+  mid-request: a stream ends with an error chunk then [DONE], a call with 503, within 2 s; the
+  supervisor starts the worker again and the next request is served;
+- Redis gone under a request: 503 / an error chunk, never a 500; back by itself when Redis is;
+- no worker: 503 within worker_ack_timeout_secs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+import redis
+from channels_redis.core import RedisChannelLayer
+
+from inference.client import ChannelLayerTransport, InferenceClient
+from tests.conftest import PARIS_MESSAGES
+from tests.e2e.conftest import Proc, base_env, free_port, require_service, run_manage, start, wait_ready, write_config
+
+pytestmark = pytest.mark.e2e
+ACK_TIMEOUT_SECS = 2.0
+CHAT = "/v1/chat/completions"
+STORY = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+         "max_tokens": 2000}
+# From the kill to the error: the web's reply deadline (1.5 s) and some scheduling.
+NOTICED_WITHIN_SECS = 2.0
+
+
+@dataclass
+class Deployment:
+    base_url: str
+    env: dict[str, str]
+    redis_port: int
+    redis: subprocess.Popen[bytes]
+    worker: Proc
+    web: Proc
+    directory: Path
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def worker_pid(self) -> int:
+        """The worker process itself: the supervisor's one child."""
+        children = psutil.Process(self.worker.popen.pid).children()
+        assert len(children) == 1, children
+        return children[0].pid
+
+    def start_redis(self) -> None:
+        self.redis = start_redis(self.redis_port, self.directory)
+
+    def fault(self, request_id: str) -> Any:
+        """The `fault` control op, sent to the worker through the channel layer like the web's."""
+        async def send() -> Any:
+            layer = RedisChannelLayer(hosts=[self.redis_url], prefix=self.env["HYPNOS_CHANNEL_PREFIX"])
+            return await InferenceClient(ChannelLayerTransport(layer, ACK_TIMEOUT_SECS)).control(
+                "fault", {"request_id": request_id})
+
+        return asyncio.run(send())
+
+
+def start_redis(port: int, directory: Path) -> subprocess.Popen[bytes]:
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(directory)], stdout=(directory / "redis.log").open("ab"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            redis.Redis(port=port, socket_timeout=1).ping()
+            return server
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    server.kill()
+    pytest.fail(f"redis-server on port {port} did not start")
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory, postgres_url: str) -> Iterator[Deployment]:
+    require_service("redis-server (the binary)", lambda: shutil.which("redis-server") or _missing("redis-server"))
+    directory = tmp_path_factory.mktemp("faults")
+    redis_port, port = free_port(), free_port()
+    redis_server = start_redis(redis_port, directory)
+    env = base_env(
+        write_config(directory, ack_timeout_secs=ACK_TIMEOUT_SECS), directory,
+        HYPNOS_DEPLOYMENT="distributed", HYPNOS_DATABASE_URL=postgres_url,
+        HYPNOS_REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
+        HYPNOS_CHANNEL_PREFIX="hypnos-faults-" + uuid.uuid4().hex[:8], HYPNOS_PORT=str(port),
+        HYPNOS_FAULT_INJECTION="1",
+    )
+    run_manage(["migrate", "--no-input", "-v0"], env)
+    worker = start("runinference-supervised", ["manage.py", "runinference"], env, directory)
+    web = start("daphne-faults", ["-m", "hypnos_site.serve"], env, directory)
+    found = Deployment(f"http://127.0.0.1:{port}", env, redis_port, redis_server, worker, web, directory)
+    try:
+        wait_ready(found.base_url, worker, web)
+        yield found
+    finally:
+        web.stop()
+        worker.stop()
+        found.redis.kill()
+        found.redis.wait()
+
+
+def _missing(name: str) -> None:
+    raise FileNotFoundError(f"{name} is not on PATH")
+
+
+def sse_events(response: httpx.Response, on_content: Any = None) -> tuple[list[Any], float]:
+    """The stream's data payloads ([DONE] kept as the string) and when the last one came;
+    `on_content` runs once, at the first chunk with content."""
+    events: list[Any] = []
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: "):]
+        event = payload if payload == "[DONE]" else json.loads(payload)
+        events.append(event)
+        if on_content is not None and event != "[DONE]" and event["choices"][0]["delta"].get("content"):
+            on_content()
+            on_content = None
+    return events, time.monotonic()
+
+
+def assert_error_chunk_then_done(events: list[Any], error_type: str) -> None:
+    assert events[-1] == "[DONE]"
+    error = events[-2]
+    assert error["choices"][0]["finish_reason"] == "error"
+    assert error["error"]["type"] == error_type
+    assert any(e["choices"][0]["delta"].get("content") for e in events[:-2])
+
+
+def wait_served(base_url: str, timeout: float = 120) -> httpx.Response:
+    """Poll a short chat until it is answered (the worker restarted and staged)."""
+    deadline = time.monotonic() + timeout
+    last: httpx.Response | None = None
+    while time.monotonic() < deadline:
+        try:
+            last = httpx.post(f"{base_url}{CHAT}", json={"model": "smollm2-135m", "messages": PARIS_MESSAGES,
+                                                          "max_tokens": 8}, timeout=30)
+            if last.status_code == 200:
+                return last
+            assert last.status_code == 503, last.text  # restarting: never a 500
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"not served again within {timeout} s: {last and last.text}")
+
+
+def kill_worker_when_streaming(deployment: Deployment, killed: list[float]) -> Any:
+    def kill() -> None:
+        psutil.Process(deployment.worker_pid()).send_signal(signal.SIGKILL)
+        killed.append(time.monotonic())
+
+    return kill
+
+
+def test_a_stream_ends_with_an_error_chunk_within_2_s_when_the_worker_is_killed(deployment):
+    before = deployment.worker_pid()
+    killed: list[float] = []
+    with httpx.stream("POST", f"{deployment.base_url}{CHAT}", json={**STORY, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        events, ended = sse_events(response, kill_worker_when_streaming(deployment, killed))
+    assert killed, "no content came before the kill"
+    assert_error_chunk_then_done(events, "model_not_available")
+    assert ended - killed[0] < NOTICED_WITHIN_SECS
+    answer = wait_served(deployment.base_url)
+    assert answer.json()["choices"][0]["message"]["content"]
+    assert deployment.worker_pid() != before
+    assert "died by SIGKILL" in deployment.worker.log.read_text()
+
+
+def test_a_call_gets_a_503_within_2_s_when_the_worker_is_killed(deployment):
+    wait_served(deployment.base_url)
+    result: dict[str, Any] = {}
+
+    def call() -> None:
+        result["response"] = httpx.post(f"{deployment.base_url}{CHAT}", json=STORY, timeout=60)
+        result["at"] = time.monotonic()
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    # The call is running when the model holds a lease.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = httpx.get(f"{deployment.base_url}/v1/memory/status", timeout=10).json()
+        if any(m["active_leases"] for m in status["models"]):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the call never started")
+    psutil.Process(deployment.worker_pid()).send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    caller.join(30)
+    response = result["response"]
+    assert result["at"] - killed < NOTICED_WITHIN_SECS
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "5"
+    assert response.headers["x-request-id"].startswith("req-")
+    error = response.json()["error"]
+    assert error["type"] == "model_not_available" and error["code"] == "model_not_available"
+    assert "stopped answering" in error["message"]
+    wait_served(deployment.base_url)
+
+
+def test_a_native_crash_in_the_engine_is_contained_and_the_worker_restarted(deployment):
+    wait_served(deployment.base_url)
+    before = deployment.worker_pid()
+    armed: list[float] = []
+    with httpx.stream("POST", f"{deployment.base_url}{CHAT}", json={**STORY, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+
+        def crash() -> None:
+            assert deployment.fault(request_id) == {"armed": request_id}
+            armed.append(time.monotonic())
+
+        events, ended = sse_events(response, crash)
+    assert armed
+    assert_error_chunk_then_done(events, "model_not_available")
+    assert ended - armed[0] < NOTICED_WITHIN_SECS
+    assert psutil.Process(deployment.worker.popen.pid).is_running()  # the supervisor lives on
+    log = deployment.worker.log.read_text()
+    assert f"request {request_id}: fault injection" in log
+    assert f"process {before} died by SIGSEGV" in log
+    answer = wait_served(deployment.base_url)
+    assert answer.json()["choices"][0]["message"]["content"]
+    assert deployment.worker_pid() != before
+
+
+def test_a_redis_outage_is_a_503_and_the_service_resumes_when_redis_is_back(deployment):
+    wait_served(deployment.base_url)
+    stopped: list[float] = []
+
+    def stop_redis() -> None:
+        deployment.redis.kill()
+        deployment.redis.wait()
+        stopped.append(time.monotonic())
+
+    with httpx.stream("POST", f"{deployment.base_url}{CHAT}", json={**STORY, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        events, ended = sse_events(response, stop_redis)
+    assert stopped
+    assert_error_chunk_then_done(events, "model_not_available")
+    assert ended - stopped[0] < NOTICED_WITHIN_SECS
+    try:
+        started = time.monotonic()
+        refused = httpx.post(f"{deployment.base_url}{CHAT}", json={"model": "smollm2-135m", "messages": PARIS_MESSAGES},
+                             timeout=30)
+        assert time.monotonic() - started < ACK_TIMEOUT_SECS + 0.5
+        assert refused.status_code == 503
+        assert refused.json()["error"]["type"] == "model_not_available"
+        assert refused.headers["x-request-id"].startswith("req-")
+    finally:
+        deployment.start_redis()
+    answer = wait_served(deployment.base_url, timeout=60)
+    assert answer.json()["choices"][0]["message"]["content"]
+
+
+def test_without_a_worker_a_chat_is_a_503_within_the_ack_timeout(deployment):
+    wait_served(deployment.base_url)
+    deployment.worker.stop()  # SIGTERM: the supervisor stops the worker and exits
+    assert deployment.worker.popen.returncode == 0
+    time.sleep(1.2)  # the web's copy of the pool is stale: the request asks the worker's status first
+    started = time.monotonic()
+    response = httpx.post(f"{deployment.base_url}{CHAT}", json={"model": "smollm2-135m", "messages": PARIS_MESSAGES},
+                          timeout=30)
+    elapsed = time.monotonic() - started
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "5"
+    assert response.json()["error"]["type"] == "model_not_available"
+    assert "runinference" in response.json()["error"]["message"]
+    assert elapsed < ACK_TIMEOUT_SECS + 0.5

@@ -316,7 +316,13 @@ async def worker_status() -> dict[str, Any] | None:
         return None
 
 
-async def hypnos_families() -> list[Metric]:
+KEY_FAMILIES = ("hypnos_api_key_requests", "hypnos_api_key_rejections", "hypnos_api_key_tokens",
+                "hypnos_api_key_tokens_today")
+
+
+async def hypnos_families(with_keys: bool = True) -> list[Metric]:
+    """Every hypnos_* family; without `with_keys`, none of the hypnos_api_key_* ones (their
+    labels name every key of the server)."""
     from models_registry.quotas import get_quotas
 
     try:
@@ -324,7 +330,8 @@ async def hypnos_families() -> list[Metric]:
     except Exception as exc:  # noqa: BLE001
         log.warning("metrics: the shared counters are unavailable: %s", exc)
         snapshot, today = {}, {}
-    return [*web_families(snapshot, today), *worker_families(await worker_status()), *process_families()]
+    families = [*web_families(snapshot, today), *worker_families(await worker_status()), *process_families()]
+    return families if with_keys else [f for f in families if f.name not in KEY_FAMILIES]
 
 
 def render(families: list[Metric]) -> bytes:
@@ -334,7 +341,9 @@ def render(families: list[Metric]) -> bytes:
 
 
 async def metrics_view(request: HttpRequest) -> HttpResponse:
-    """GET /metrics; open unless `server.metrics_require_auth` (then any valid key)."""
+    """GET /metrics; open unless `server.metrics_require_auth` (then any valid key). The
+    hypnos_api_key_* families name every key's label, so when keys are configured they are on
+    the page only for an admin key: a scraper that wants them sends one (`authorization`)."""
     from django.conf import settings
 
     from inference.errors import AuthenticationError, MethodNotAllowed
@@ -342,11 +351,11 @@ async def metrics_view(request: HttpRequest) -> HttpResponse:
 
     if request.method not in ("GET", "HEAD"):
         return MethodNotAllowed(f'Method "{request.method}" not allowed.').response()
-    if settings.HYPNOS.server.metrics_require_auth:
-        check = await sync_to_async(request_key_check)(request)
-        if check.refused:
-            return AuthenticationError(check.problem or "").response()
-    page = render(await hypnos_families())
+    check = await sync_to_async(request_key_check)(request)
+    if settings.HYPNOS.server.metrics_require_auth and check.refused:
+        return AuthenticationError(check.problem or "").response()
+    with_keys = not check.required or (check.principal is not None and check.principal.admin)
+    page = render(await hypnos_families(with_keys))
     return HttpResponse(page, content_type=CONTENT_TYPE_PLAIN_0_0_4)
 
 

@@ -28,7 +28,7 @@ from inference.protocol import (
 from inference.protocol_media import EmbeddingRequest, SpeechRequest
 from inference.serving import advisor, audio, chat, completions, embeddings, lemonade, models, pool, responses
 from inference.serving.context import RequestContext
-from models_registry.authentication import IsAdminKey, IsAdminKeyForChanges
+from models_registry.authentication import IsAdminKey, IsAdminKeyForChanges, is_admin
 
 STARTED_AT = time.time()
 
@@ -56,7 +56,8 @@ class ModelListView(APIView):
 class ModelCatalogView(APIView):
     async def get(self, request: Request) -> JsonResponse:
         # Off the event loop: the catalog reads the GGUF headers of the downloaded weights.
-        return JsonResponse(await sync_to_async(models.catalog)(request.query_params.get("modality")))
+        modality = request.query_params.get("modality")
+        return JsonResponse(await sync_to_async(models.catalog)(modality, admin=is_admin(request.auth)))
 
 
 class AdvisorView(APIView):
@@ -82,11 +83,13 @@ class ModelView(APIView):
 
 class ModelFilesView(APIView):
     async def get(self, request: Request, model_id: str) -> JsonResponse:
-        return JsonResponse(await models.model_files(get_client(), model_id))
+        return JsonResponse(await models.model_files(get_client(), model_id, admin=is_admin(request.auth)))
 
 
 class ModelEnableView(APIView):
     """POST /v1/models/{id}/enable and /disable (spec §6)."""
+
+    permission_classes = [IsAdminKey]
 
     enable = True
 
@@ -96,6 +99,8 @@ class ModelEnableView(APIView):
 
 class ModelMoeOffloadView(APIView):
     """POST /v1/models/{id}/moe-offload (spec §6)."""
+
+    permission_classes = [IsAdminKey]
 
     async def post(self, request: Request, model_id: str) -> JsonResponse:
         body = parse_body(MoeOffloadRequest, request.data)
@@ -121,10 +126,12 @@ class MemoryStatusView(APIView):
     async def get(self, request: Request) -> JsonResponse:
         status = await get_client().control("memory_status")
         status["latency"] = {"routes": latency.routes.summary(), "workflows": latency.workflows.summary()}
-        return JsonResponse(status)
+        return JsonResponse(models.hide_paths(status, is_admin(request.auth)))
 
 
 class MemoryTierView(APIView):
+    permission_classes = [IsAdminKey]
+
     async def post(self, request: Request) -> JsonResponse:
         body = parse_body(MemoryTierRequest, request.data)
         return JsonResponse(await get_client().control("move", body.model_dump()))
@@ -174,15 +181,19 @@ class AudioSpeechView(_AnyAccept, APIView):
 
 class LemonadeHealthView(APIView):
     async def get(self, request: Request) -> JsonResponse:
-        return JsonResponse(await lemonade.health(get_client()))
+        return JsonResponse(await lemonade.health(get_client(), admin=is_admin(request.auth)))
 
 
 class LemonadeLoadView(APIView):
+    permission_classes = [IsAdminKey]
+
     async def post(self, request: Request) -> JsonResponse:
         return JsonResponse(await lemonade.load(get_client(), _object(request.data)))
 
 
 class LemonadeUnloadView(APIView):
+    permission_classes = [IsAdminKey]
+
     async def post(self, request: Request) -> JsonResponse:
         return JsonResponse(await lemonade.unload(get_client(), _object(request.data)))
 
@@ -209,6 +220,8 @@ def _object(data: object) -> dict:
 
 
 class KvParkView(APIView):
+    permission_classes = [IsAdminKeyForChanges]
+
     async def get(self, request: Request) -> JsonResponse:
         return JsonResponse(await get_client().control("kv_park", {}))
 

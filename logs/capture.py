@@ -17,6 +17,10 @@ LEVELS = ("off", "error", "warn", "info", "debug", "trace")
 # Each captured text field (input, output, payloads) keeps at most this many characters.
 MAX_TEXT_CHARS = 32_768
 REDACTED = "[redacted]"
+# The finish_reason of a stream the client closed before its end.
+CANCELLED = "cancelled"
+# A /v1/responses body's terminal statuses, which stand for its finish_reason in the log.
+RESPONSE_END_STATUSES = ("completed", "incomplete", "failed")
 
 # The token-counting routes (spec and compat.md) under /v1 and /api/v1; a POST to one of them is
 # an inference call: it is counted against the key's limits and recorded in the request log.
@@ -134,12 +138,16 @@ class CapturedText:
 
 @dataclass
 class ResponseReading:
-    """Usage, telemetry, error and output of one response, read as its body goes by."""
+    """Usage, telemetry, error, finish reason and output of one response, read as its body
+    goes by. `deltas` counts the generated pieces a stream delivered (answer and thoughts):
+    the worker streams one per token, so it stands for the completion tokens of a stream that
+    ended before its usage chunk."""
 
     usage: dict[str, Any] | None = None
     telemetry: dict[str, Any] | None = None
     error: str | None = None
     error_type: str | None = None
+    finish_reason: str | None = None
     output: CapturedText = field(default_factory=CapturedText)
     payload: CapturedText = field(default_factory=CapturedText)
     deltas: int = 0
@@ -152,6 +160,7 @@ class ResponseReading:
         if isinstance(body, dict):
             self._read_document(body)
             for choice in body.get("choices") or []:
+                self._read_finish(choice)
                 message = choice.get("message") if isinstance(choice, dict) else None
                 if isinstance(message, dict):
                     self.output.add(_content_text(message.get("content")))
@@ -183,20 +192,31 @@ class ResponseReading:
         if event.get("type") == "response.output_text.delta" and isinstance(event.get("delta"), str):
             self.deltas += 1
             self.output.add(event["delta"])
+        elif event.get("type") == "response.reasoning_text.delta" and event.get("delta"):
+            self.deltas += 1
         for choice in event.get("choices") or []:
             if not isinstance(choice, dict):
                 continue
+            self._read_finish(choice)
             delta = choice.get("delta")
             text = _content_text(delta.get("content")) if isinstance(delta, dict) else choice.get("text")
             if isinstance(text, str) and text:
                 self.deltas += 1
                 self.output.add(text)
+            elif isinstance(delta, dict) and delta.get("reasoning_content"):
+                self.deltas += 1
+
+    def _read_finish(self, choice: Any) -> None:
+        if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
+            self.finish_reason = choice["finish_reason"]
 
     def _read_document(self, doc: dict[str, Any]) -> None:
         if isinstance(doc.get("usage"), dict):
             self.usage = doc["usage"]
         if isinstance(doc.get("hypnos_telemetry"), dict):
             self.telemetry = doc["hypnos_telemetry"]
+        if doc.get("object") == "response" and doc.get("status") in RESPONSE_END_STATUSES:
+            self.finish_reason = doc["status"]
         error = doc.get("error")
         if isinstance(error, dict):
             self.error = str(error.get("message") or error.get("type") or "error")

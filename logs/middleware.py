@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 from hypnos_site.metrics import Observation, get_counters, observation
 from inference.errors import HypnosError, ModelNotAvailable, PermissionDenied, RateLimited
 from logs.capture import (
+    CANCELLED,
     CapturedText,
     Redactor,
     ResponseReading,
@@ -228,6 +229,9 @@ class InferenceCallAccount:
         """The columns of this call's RequestLogEntry; text only as far as `threshold` captures."""
         reading = self.reading
         tokens_in, tokens_out, cached = reading.tokens()
+        if self.cancelled and self.stream and tokens_out is None:
+            # Cut before its usage chunk: what it generated is what it delivered.
+            tokens_out = reading.deltas
         telemetry = reading.telemetry or {}
         fields: dict[str, Any] = {
             "request_id": self.request_id, "route": self.route, "method": self.request.method or "POST",
@@ -237,6 +241,7 @@ class InferenceCallAccount:
             "tokens_per_s": reading.tokens_per_s(), "inference_ms": telemetry.get("inference_latency_ms"),
             "tier_switch_ms": telemetry.get("tier_switch_latency_ms"),
             "previous_tier": telemetry.get("previous_tier") or "", "error": reading.error or "", "level": level,
+            "finish_reason": CANCELLED if self.cancelled else reading.finish_reason or "",
         }
         truncated = False
         if level_rank(threshold) >= level_rank("debug"):

@@ -26,6 +26,9 @@ class RequestLogEntry(models.Model):
     tier_switch_ms = models.FloatField(null=True, blank=True)
     previous_tier = models.CharField(max_length=20, blank=True, default="")
     error = models.TextField(blank=True, default="")
+    # The answer's finish_reason (a /v1/responses call: its final status); "cancelled" when
+    # the client closed the connection before the end.
+    finish_reason = models.CharField(max_length=20, blank=True, default="")
     # The entry's own level: error (5xx or a stream that ended in an error), warn (4xx), info.
     level = models.CharField(max_length=8)
     truncated = models.BooleanField(default=False)
@@ -63,6 +66,7 @@ class RequestLogEntry(models.Model):
             "tier_switch_ms": self.tier_switch_ms,
             "previous_tier": self.previous_tier or None,
             "error": self.error or None,
+            "finish_reason": self.finish_reason or None,
             "level": self.level,
             "truncated": self.truncated,
         }

@@ -1,23 +1,40 @@
 """/v1/logs* (spec §15): read, clear and set the level of the request log. These routes are not
-inference calls, so polling them is never logged itself."""
+inference calls, so polling them is never logged itself.
+
+The records hold other callers' prompts and answers, so a key that is not an admin key reads
+only the records of its own label, and only admin keys clear the log or change its level (with
+no key configured the API is open, as everywhere).
+"""
 
 from __future__ import annotations
 
 from adrf.views import APIView
+from django.db.models import QuerySet
 from django.http import JsonResponse
 from rest_framework.request import Request
 
 from inference.errors import InvalidRequest, NotFound
 from logs.models import RequestLogEntry
 from logs.store import LogQuery, capacity, levels
+from models_registry.authentication import IsAdminKey, IsAdminKeyForChanges, is_admin
+
+
+def visible_entries(request: Request) -> QuerySet[RequestLogEntry]:
+    """Every record for admin keys (and the open API); the key's own records for the others."""
+    if is_admin(request.auth):
+        return RequestLogEntry.objects.all()
+    return RequestLogEntry.objects.filter(key_label=request.auth.label)
 
 
 class RequestLogView(APIView):
+    permission_classes = [IsAdminKeyForChanges]
+
     async def get(self, request: Request) -> JsonResponse:
         query = LogQuery.from_params(request.query_params)
-        records = [entry.as_record() async for entry in query.apply(RequestLogEntry.objects.all())]
+        entries = visible_entries(request)
+        records = [entry.as_record() async for entry in query.apply(entries)]
         return JsonResponse({"level": await levels.get(), "capacity": capacity(),
-                             "stored": await RequestLogEntry.objects.acount(), "records": records})
+                             "stored": await entries.acount(), "records": records})
 
     async def delete(self, request: Request) -> JsonResponse:
         await RequestLogEntry.objects.all().adelete()
@@ -26,13 +43,16 @@ class RequestLogView(APIView):
 
 class RequestLogRecordView(APIView):
     async def get(self, request: Request, request_id: str) -> JsonResponse:
-        entry = await RequestLogEntry.objects.filter(request_id=request_id).afirst()
+        # Another key's record answers like a missing one: its id says nothing to this key.
+        entry = await visible_entries(request).filter(request_id=request_id).afirst()
         if entry is None:
             raise NotFound(f"No request log record has the id {request_id!r}; it may have left the ring buffer.")
         return JsonResponse(entry.as_record())
 
 
 class RequestLogLevelView(APIView):
+    permission_classes = [IsAdminKey]
+
     async def post(self, request: Request) -> JsonResponse:
         level = request.data.get("level") if isinstance(request.data, dict) else None
         if not isinstance(level, str):

@@ -191,17 +191,35 @@ class HasApiKeyWhenRequired(BasePermission):
         return True
 
 
-class IsAdminKey(BasePermission):
-    """Changing the model pool needs an admin key when keys are configured (spec §2)."""
+def is_admin(principal: ApiPrincipal | None) -> bool:
+    """Whether the caller may change the server and see what only its operator should (other
+    keys' records and labels, absolute paths). `None` is the open API (no key configured)."""
+    return principal is None or principal.admin
 
-    message = "This route changes the model pool and needs an admin key."
+
+ADMIN_ONLY = (
+    "This route changes the server's state and needs an admin key: a server.api_keys entry, or a "
+    "[[server.keys]] entry with admin = true."
+)
+
+
+class IsAdminKey(BasePermission):
+    """Every route that changes the server's state (the pool, tiers, KV parking, MoE offload,
+    enable/disable, options, the request log's level and contents, Lemonade's load/unload and
+    /internal/set) needs an admin key when keys are configured (spec §2); with no key
+    configured anywhere the API is open."""
+
+    message = ADMIN_ONLY
 
     def has_permission(self, request, view) -> bool:  # type: ignore[no-untyped-def]
-        return request.auth is None or bool(request.auth.admin)
+        if is_admin(request.auth):
+            return True
+        self.message = f"{ADMIN_ONLY} The key {request.auth.label!r} is not one."
+        return False
 
 
 class IsAdminKeyForChanges(IsAdminKey):
-    """Reading is open to every key; POST, PUT and DELETE change the pool (admin keys only)."""
+    """Reading is open to every key; POST, PUT, PATCH and DELETE change state (admin keys only)."""
 
     def has_permission(self, request, view) -> bool:  # type: ignore[no-untyped-def]
         return request.method in SAFE_METHODS or super().has_permission(request, view)

@@ -9,17 +9,20 @@ from django.conf import settings
 from inference.client import InferenceClient
 from inference.errors import InvalidRequest, ModelNotAvailable, NotFound
 from inference.serving.chat import last_stats
+from inference.serving.models import shown_path
 from inference.serving.pool import pool
 
 
-async def health(client: InferenceClient) -> dict[str, Any]:
+async def health(client: InferenceClient, *, admin: bool) -> dict[str, Any]:
+    """GET /api/v1/health; `checkpoint` is absolute for admin keys, relative to models_dir for
+    the others."""
     status = await client.status()
     if status is None:
         raise ModelNotAvailable("no inference worker is answering")
     pool.update(status)
     configs = {m.id: m for m in pool.models()}
     loaded = [
-        {"model_name": model_id, "checkpoint": str(settings.HYPNOS.weights_file(configs[model_id])),
+        {"model_name": model_id, "checkpoint": shown_path(settings.HYPNOS.weights_file(configs[model_id]), admin),
          "type": "llm" if configs[model_id].modality == "text_generation" else configs[model_id].modality,
          "device": "gpu" if state["placement"]["gpu_layers"] and not status.get("simulated", True) else "cpu",
          "recipe": configs[model_id].engine}

@@ -3,6 +3,8 @@ enable/disable (spec §6, compat.md), from the configured pool and what the work
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -57,24 +59,77 @@ async def get_model(client: InferenceClient, name: str) -> dict[str, Any]:
     return {**_model_object(model, state), "enabled": _enabled(model, state)}
 
 
-async def model_files(client: InferenceClient, name: str) -> dict[str, Any]:
-    """GET /v1/models/{id}/files: the files the model block names, and whether they are there."""
+async def model_files(client: InferenceClient, name: str, *, admin: bool) -> dict[str, Any]:
+    """GET /v1/models/{id}/files: the files the model block names, and whether they are there
+    (`path` absolute for admin keys, relative to models_dir for the others)."""
     await pool.ensure(client, name)
     model = pool.find(name)
     files = [("weights", settings.HYPNOS.weights_file(model)), ("aux", settings.HYPNOS.aux_file(model))]
     return {"object": "list", "model": model.id, "data": [
-        {"name": path.name, "role": role, "path": str(path), "size_bytes": disk_size(path) if path.exists() else None,
-         "exists": path.exists()}
+        {"name": path.name, "role": role, "path": shown_path(path, admin),
+         "size_bytes": disk_size(path) if path.exists() else None, "exists": path.exists()}
         for role, path in files if path is not None]}
 
 
-def catalog(modality: str | None) -> dict[str, Any]:
-    """GET /v1/models/catalog; 404 not_found when the server has no catalog file."""
+def catalog(modality: str | None, *, admin: bool) -> dict[str, Any]:
+    """GET /v1/models/catalog; 404 not_found when the server has no catalog file. `models_dir`
+    is null for keys that are not admin keys."""
     path = catalog_path(settings.HYPNOS)
     if not path.exists():
         raise NotFound("This server has no models.catalog.toml.")
     live = settings.HYPNOS.model_copy(update={"models": pool.models()})
-    return describe(live, load_catalog(path), modality)
+    described = describe(live, load_catalog(path), modality)
+    return described if admin else {**described, "models_dir": None}
+
+
+# -- what a key that is not an admin key sees of the server's file system -----------------------
+# The server's absolute paths tell its user name and layout; only admin keys (and the open API)
+# see them. Other keys see paths relative to models_dir, or a file's name when it lies elsewhere.
+
+
+def shown_path(path: Path, admin: bool) -> str:
+    """`path` as the caller may see it."""
+    if admin:
+        return str(path)
+    try:
+        return str(path.relative_to(settings.HYPNOS.models_dir))
+    except ValueError:
+        return path.name
+
+
+def hide_paths(value: Any, admin: bool) -> Any:
+    """`value` (a JSON document) with the server's absolute paths in its strings made relative
+    (models_dir and the pool's files) or replaced by `~` (the home directory)."""
+    if admin:
+        return value
+    replacements = _path_replacements()
+    # A folder ends in "/"; a file or the home directory must end where the path's name does.
+    pattern = re.compile("|".join(re.escape(p) + ("" if p.endswith("/") else r"(?![\w.+-])") for p in replacements))
+    return _scrubbed(value, pattern, replacements)
+
+
+def _path_replacements() -> dict[str, str]:
+    """Absolute path -> what a key that is not an admin key sees instead, longest first (so a
+    file's own path wins over the folder holding it)."""
+    config = settings.HYPNOS
+    found = {f"{config.models_dir}/": "", str(config.models_dir): "models_dir",
+             f"{config.data_dir}/": "", str(config.data_dir): "data_dir"}
+    for model in pool.models():
+        for file in (config.weights_file(model), config.aux_file(model)):
+            if file is not None:
+                found.setdefault(str(file), shown_path(file, admin=False))
+    found.setdefault(str(Path.home()), "~")
+    return dict(sorted(found.items(), key=lambda item: len(item[0]), reverse=True))
+
+
+def _scrubbed(value: Any, pattern: re.Pattern[str], replacements: dict[str, str]) -> Any:
+    if isinstance(value, str):
+        return pattern.sub(lambda match: replacements[match.group(0)], value)
+    if isinstance(value, dict):
+        return {key: _scrubbed(item, pattern, replacements) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_scrubbed(item, pattern, replacements) for item in value]
+    return value
 
 
 async def set_enabled(client: InferenceClient, name: str, enabled: bool) -> dict[str, Any]:

@@ -147,6 +147,15 @@ class _Lease:
                 runtime.engine_idle.notify_all()
 
 
+def _changes_placement(op: str, payload: dict[str, Any]) -> bool:
+    """Whether a control operation moves models or their memory, which startup staging owns
+    until it is done (spec §3: 503 with Retry-After meanwhile). Reading kv_park (no values) is
+    not a change."""
+    if op == "kv_park":
+        return payload.get("enabled") is not None or payload.get("max_bytes") is not None
+    return op in ("enable", "disable", "moe_offload")
+
+
 def needed_context(work: ChatWork) -> int:
     """The request's num_ctx, else an estimate from the prompt and max_tokens with a floor of
     2048 (spec §7.1); about three characters make a token."""
@@ -343,6 +352,8 @@ class Worker(TierMoves, StatusReports):
                 result = self.status()
             elif op == "memory_status":
                 result = self.memory_status()
+            elif not self.ready and _changes_placement(op, payload):
+                raise ModelNotAvailable(STILL_STAGING)
             elif op in ("enable", "disable"):
                 runtime = self.set_enabled(payload["model"], op == "enable")
                 placement = self.tiers.entries[runtime.config.id].placement if runtime.config.id in self.tiers.entries \

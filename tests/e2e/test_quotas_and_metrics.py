@@ -257,7 +257,8 @@ def test_every_call_appears_exactly_once_in_the_log(pair):
 
 
 def scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-    response = httpx.get(f"{url}/metrics", timeout=30)
+    # The hypnos_api_key_* families are shown to admin keys only.
+    response = httpx.get(f"{url}/metrics", headers=headers(ADMIN), timeout=30)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
     samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}

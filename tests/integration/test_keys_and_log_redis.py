@@ -117,7 +117,7 @@ async def test_the_counters_of_several_processes_add_up(shared):
 
 
 async def test_the_views_use_redis_when_distributed(api, settings, shared):
-    with_server(settings, keys=[KeyConfig(key="sk-one", label="one", max_concurrent=1)])
+    with_server(settings, api_keys=["sk-admin"], keys=[KeyConfig(key="sk-one", label="one", max_concurrent=1)])
     assert isinstance(get_quotas(), RedisQuotas) and isinstance(get_counters(), RedisCounters)
     stream = await post_json(api, URL, CHAT | {"stream": True}, authorization="Bearer sk-one")
     refused = await post_json(api, URL, CHAT, authorization="Bearer sk-one")
@@ -128,6 +128,6 @@ async def test_the_views_use_redis_when_distributed(api, settings, shared):
     counted = redis.Redis.from_url(REDIS_URL, decode_responses=True).hgetall(f"{shared}:metrics:sums")
     assert counted['["hypnos_api_key_rejections","value",[["key","one"]]]'] == "1"
     # The level lives in Redis too: every web process captures at the level set last.
-    await post_json(api, "/v1/logs/level", {"level": "debug"}, authorization="Bearer sk-one")
+    await post_json(api, "/v1/logs/level", {"level": "debug"}, authorization="Bearer sk-admin")
     assert redis.Redis.from_url(REDIS_URL, decode_responses=True).get(f"{shared}:logs:level") == "debug"
     assert await levels.get() == "debug"

@@ -43,6 +43,35 @@ DEFAULT_VAD = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
 VAD_LEVEL_PER_THRESHOLD = 0.04
 # Speech starts after this many voiced frames in a row (a click is not a word).
 VAD_START_FRAMES = 2
+# Close codes of RFC 6455 §7.4.1 a server may send, beyond 1000.
+RFC_SERVER_CLOSE_CODES = frozenset({1001, 1003, 1007, 1008, 1009, 1011, 1012, 1013})
+
+
+def allow_rfc_close_codes() -> None:
+    """Let daphne send RFC 6455's close codes. Its autobahn layer accepts from an application
+    only 1000 and 3000-4999 (the browser API's rule), so the 1008 (policy violation) of a refused
+    key raised inside daphne and the socket closed with 1011 instead (autobahn-python#1642,
+    daphne#374). The frame goes through autobahn's own sendCloseFrame, which its protocol-level
+    closes use; every other code keeps daphne's path. Idempotent; nothing to do without daphne."""
+    try:
+        from daphne.ws_protocol import WebSocketProtocol
+    except ImportError:
+        return
+    original = WebSocketProtocol.serverClose
+    if getattr(original, "sends_rfc_codes", False):
+        return
+
+    def server_close(self: Any, code: int | None = None) -> None:
+        if code in RFC_SERVER_CLOSE_CODES:
+            self.sendCloseFrame(code=code, isReply=False)
+        else:
+            original(self, code)
+
+    server_close.sends_rfc_codes = True  # type: ignore[attr-defined]
+    WebSocketProtocol.serverClose = server_close
+
+
+allow_rfc_close_codes()
 
 
 def _id(prefix: str) -> str:

@@ -1,0 +1,86 @@
+"""Issue 12, authorisation over real sockets: daphne (embedded deployment, SQLite) with an admin
+key and a plain one. The realtime socket's close code is daphne's and autobahn's business, which
+channels' in-process communicator never reaches; a disconnect is a closed TCP connection."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from tests.e2e.conftest import Server, base_env, free_port, run_manage, start, wait_ready, write_config
+
+pytestmark = pytest.mark.e2e
+ADMIN, PLAIN = "sk-live-admin", "sk-live-plain"
+KEYS_TOML = f'[server]\napi_keys = ["{ADMIN}"]\nkeys = [{{ key = "{PLAIN}", label = "plain" }}]\n'
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory) -> Iterator[Server]:
+    directory = tmp_path_factory.mktemp("keyed")
+    config = write_config(directory)
+    config.write_text(config.read_text().replace("[server]\n", KEYS_TOML, 1))
+    port = free_port()
+    env = base_env(config, directory, HYPNOS_PORT=str(port))
+    run_manage(["migrate", "--no-input", "-v0"], env)
+    web = start("daphne-keyed", ["-m", "hypnos_site.serve"], env, directory)
+    server = Server(f"http://127.0.0.1:{port}", env, [web])
+    try:
+        wait_ready(server.base_url, web)
+        yield server
+    finally:
+        web.stop()
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def test_a_bad_key_on_the_realtime_socket_closes_it_with_1008(keyed: Server):
+    url = keyed.base_url.replace("http://", "ws://") + "/v1/realtime?intent=transcription&api_key=sk-wrong"
+    with connect(url) as ws:
+        event = json.loads(ws.recv(timeout=10))
+        assert event["type"] == "error" and event["error"]["code"] == "invalid_api_key"
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": ""}))
+            ws.recv(timeout=10)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+    assert "Exception" not in keyed.procs[0].tail(200)
+
+
+def test_a_plain_key_is_refused_the_admin_routes_over_http(keyed: Server):
+    for method, path in [("POST", "/v1/models/smollm2-135m/disable"), ("DELETE", "/v1/logs"),
+                         ("POST", "/api/v1/unload"), ("POST", "/v1/logs/level")]:
+        response = httpx.request(method, keyed.base_url + path, headers=bearer(PLAIN), json={"level": "trace"})
+        assert response.status_code == 403, (path, response.text)
+        assert response.json()["error"]["type"] == "permission_denied"
+        assert response.headers["x-request-id"].startswith("req-")
+    model = httpx.get(f"{keyed.base_url}/v1/models/smollm2-135m", headers=bearer(PLAIN)).json()
+    assert model["enabled"] is True
+
+
+def test_a_stream_the_client_closes_is_logged_with_what_it_delivered(keyed: Server):
+    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Tell a long story about a dragon."}],
+            "max_tokens": 200, "stream": True}
+    received = 0
+    with httpx.stream("POST", f"{keyed.base_url}/v1/chat/completions", headers=bearer(PLAIN), json=body,
+                      timeout=60) as response:
+        request_id = response.headers["x-request-id"]
+        for line in response.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                received += 1
+            if received == 5:
+                break
+    deadline = time.monotonic() + 10
+    while (record := httpx.get(f"{keyed.base_url}/v1/logs/{request_id}", headers=bearer(PLAIN))).status_code == 404:
+        assert time.monotonic() < deadline, "the dropped stream was not logged"
+        time.sleep(0.1)
+    logged = record.json()
+    assert (logged["status"], logged["finish_reason"], logged["key"]) == (200, "cancelled", "plain")
+    # The server may have written a few more chunks into the socket before it saw the close.
+    assert 5 <= logged["tokens_out"] < 200

@@ -24,6 +24,7 @@ import json
 
 from daphne import http_protocol
 from twisted.internet import interfaces
+from twisted.web import http
 
 from hypnos_site.config import get_config
 
@@ -70,6 +71,16 @@ class CappedWebRequest(_OriginalWebRequest):
             self.requestHeaders.setRawHeaders(b"Content-Length", [b"%d" % self.content.tell()])
         super().requestReceived(command, path, version)
 
+    def basic_error(self, status: int, status_text: bytes, body: str) -> None:
+        """daphne's own refusals (an invalid header, path or query string; an application that
+        failed or timed out) in the envelope instead of an HTML page."""
+        from inference.middleware import new_request_id  # here: it imports Django, set up by then
+
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        headers = [(b"Content-Type", b"application/json"), (b"x-request-id", new_request_id().encode())]
+        self.handle_reply({"type": "http.response.start", "status": status, "headers": headers})
+        self.handle_reply({"type": "http.response.body", "body": _envelope(f"{body}.", kind)})
+
     def _refuse(self, message: str) -> None:
         self._refused = True
         # allHeadersReceived sends 100 Continue after gotLength when asked: not after a refusal.
@@ -84,20 +95,36 @@ class CappedWebRequest(_OriginalWebRequest):
 
 def _too_large(message: str, content_type: bytes) -> bytes:
     """The 413 of spec §4: plain text, or the JSON envelope for a multipart upload."""
-    from inference.middleware import new_request_id  # here: it imports Django, set up by then
     if content_type.lower().startswith(b"multipart/form-data"):
-        error = {"message": message, "type": "payload_too_large", "param": None, "code": "payload_too_large"}
-        body, media = json.dumps({"error": error}).encode(), b"application/json"
-    else:
-        body, media = message.encode(), b"text/plain; charset=utf-8"
+        return _response(b"413 Content Too Large", _envelope(message, "payload_too_large"), b"application/json")
+    return _response(b"413 Content Too Large", message.encode(), b"text/plain; charset=utf-8")
+
+
+def _envelope(message: str, kind: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": kind}}).encode()
+
+
+def _response(status: bytes, body: bytes, media: bytes) -> bytes:
+    from inference.middleware import new_request_id  # here: it imports Django, set up by then
+
     head = [
-        b"HTTP/1.1 413 Content Too Large",
+        b"HTTP/1.1 " + status,
         b"Content-Type: " + media,
         b"Content-Length: %d" % len(body),
         b"x-request-id: " + new_request_id().encode(),
         b"Connection: close",
     ]
     return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+def _bad_request(channel: http.HTTPChannel) -> None:
+    """What twisted answers a request it cannot parse (a NUL or line break in a header value, a
+    malformed request line or chunk): the spec's envelope with an x-request-id instead of a bare
+    `400 Bad Request` with no body."""
+    message = "The request is not valid HTTP/1.1 (its request line, a header or the chunked encoding)."
+    body = _envelope(message, "invalid_request_error")
+    channel.transport.write(_response(b"400 Bad Request", body, b"application/json"))
+    channel.loseConnection()
 
 
 def _close_after_linger(channel: object) -> None:
@@ -114,7 +141,10 @@ def _close_after_linger(channel: object) -> None:
 
 
 def install() -> None:
-    """Make daphne build CappedWebRequest for every HTTP request. daphne's HTTPFactory looks
-    the module's `WebRequest` up each time it builds a protocol, so replacing that name before
-    the server starts is enough; nothing else of daphne changes."""
+    """Make daphne build CappedWebRequest for every HTTP request, and twisted answer what it
+    cannot parse in the envelope. daphne's HTTPFactory looks the module's `WebRequest` up each
+    time it builds a protocol, so replacing that name before the server starts is enough;
+    `_respondToBadRequestAndDisconnect` is twisted's one place for its bare 400s (this process
+    serves nothing else with twisted)."""
     http_protocol.WebRequest = CappedWebRequest  # type: ignore[misc]
+    http.HTTPChannel._respondToBadRequestAndDisconnect = _bad_request  # type: ignore[method-assign]

@@ -195,3 +195,39 @@ def test_the_realtime_handshake_refuses_a_foreign_origin(capped):
         assert json.loads(ws.recv(timeout=10))["type"] == "transcription_session.created"
     with connect(url, open_timeout=10) as ws:  # no Origin: not a browser
         assert json.loads(ws.recv(timeout=10))["type"] == "transcription_session.created"
+
+
+NUL_BODIES = [
+    ("/v1/chat/completions", CHAT | {"model": "smollm2\u0000-135m"}),
+    ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": "Hi\u0000"}], "user": "\u0000"}),
+    ("/v1/embeddings", {"model": "all-minilm\u0000", "input": "Hi"}),
+    ("/v1/models/smollm2%00/options", {"temperature": 0.5}),
+    ("/v1/memory/tier", {"model": "smollm2-135m\u0000", "target_tier": "tier2_pinned_ram"}),
+    ("/api/v1/load", {"model_name": "smollm2\u0000"}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), NUL_BODIES)
+def test_nul_characters_never_reach_postgresql_as_a_500(distributed, path, body):
+    # PostgreSQL refuses NUL in text; the request log and the pool overlay write these strings.
+    response = httpx.post(f"{distributed.base_url}{path}", json=body, timeout=120)
+    assert response.status_code < 500, response.text[:300]
+    if response.status_code >= 400:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    log = httpx.get(f"{distributed.base_url}/v1/logs", params={"limit": 1}, timeout=10)
+    assert log.status_code == 200
+
+
+@pytest.mark.parametrize("request_bytes", [
+    head("/v1/models", "X-Thing: a\x00b", method="GET"),  # NUL in a header value (twisted)
+    head("/v1/chat/completions", "Content-Type: application/json", "Transfer-Encoding: chunked") + b"zz\r\n",
+    b"GET /v1/models HTTP/1.1 extra\r\nHost: 127.0.0.1\r\n\r\n",
+    head("/v1/models?q=\xff", method="GET"),  # not ASCII (daphne's own check)
+])
+def test_what_the_http_layer_cannot_parse_is_a_400_in_the_envelope(capped, request_bytes):
+    with open_socket(capped) as sock:
+        sock.sendall(request_bytes)
+        status, headers, body = read_response(sock)
+    assert status == 400
+    assert headers["content-type"] == "application/json" and headers["x-request-id"].startswith("req-")
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"

@@ -1,0 +1,548 @@
+"""Hypothesis strategies for the route fuzzer: request bodies built from the wire models of
+inference/protocol.py and inference/protocol_media.py (a valid shape first, then mutated), raw
+garbage, multipart uploads, odd content types and odd headers.
+
+Generation is kept cheap on purpose: texts are short, token counts tiny and most mutations make
+the request a refusal, so a thousand cases run in a few minutes on two cores with real engines.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import struct
+import types
+import typing
+import wave
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from hypothesis import strategies as st
+from pydantic import BaseModel
+
+# -- what the generated requests name --------------------------------------------------------
+
+ADMIN_KEY = "sk-fuzz-admin"
+USER_KEY = "sk-fuzz-user"
+VICTIM = "fuzz-victim"  # a copy of SmolLM2 the pool-changing routes may disable, replace or delete
+CHAT, EMBED, STT, TTS = "smollm2-135m", "all-minilm-l6-v2", "whisper-tiny.en", "piper-joe"
+SERVED = (CHAT, EMBED, STT, TTS, VICTIM)
+ALIASES = ("gpt-4o-mini", "text-embedding-3-small", "whisper-1", "tts-1")
+
+SHORT_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+WORDS = st.sampled_from(["Hi", "Hello there.", "Say yes.", "Paris?", "one two", "OK"])
+model_names = st.one_of(st.sampled_from(SERVED + ALIASES), st.sampled_from(["", "nope", "SMOLLM2-135M",
+                        "smollm2-135m ", "../etc/passwd", "a" * 300]), SHORT_TEXT)
+
+
+# -- media ------------------------------------------------------------------------------------
+
+
+def _wav(seconds: float = 0.3, rate: int = 16000, tone: bool = True) -> bytes:
+    frames = int(seconds * rate)
+    samples = [int(8000 * math.sin(2 * math.pi * 440 * i / rate)) if tone else 0 for i in range(frames)]
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(struct.pack(f"<{frames}h", *samples))
+    return out.getvalue()
+
+
+def _png(width: int = 2, height: int = 2) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 10, 10)).save(out, "PNG")
+    return out.getvalue()
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims `width` x `height` pixels (a decompression bomb's shape)."""
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(
+        b"IEND", b"")
+
+
+WAV = _wav()
+PNG = _png()
+# A RIFF header that claims a 4 GB data chunk and a 4 GHz rate over a few real bytes.
+WAV_CLAIMING_HUGE = (b"RIFF" + struct.pack("<I", 0xFFFFFFF0) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 1, 1,
+                     4_000_000_000, 4_000_000_000, 2, 16) + b"data" + struct.pack("<I", 0xFFFFFFF0) + b"\0" * 64)
+
+audio_bytes = st.one_of(
+    st.just(WAV), st.just(_wav(0.2, tone=False)), st.just(WAV[:44]), st.just(WAV[: len(WAV) // 2]),
+    st.just(WAV_CLAIMING_HUGE), st.just(b""), st.just(b"ID3\x04\0\0\0\0\0\0" + b"\xff\xfb" * 20),
+    st.binary(max_size=64), st.builds(lambda b: WAV[:44] + b, st.binary(max_size=200)),
+)
+image_bytes = st.one_of(
+    st.just(PNG), st.just(PNG[:20]), st.just(_png_claiming(60000, 60000)), st.just(b"GIF89a"),
+    st.binary(max_size=64),
+)
+
+
+def _data_url(mime: str, data: bytes) -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+# Hosts that need no DNS (this machine has no resolver to the outside), private and public.
+URL_HOSTS = ["127.0.0.1", "[::1]", "[::ffff:127.0.0.1]", "10.1.2.3", "169.254.169.254", "0.0.0.0", "localhost",
+             "[fe80::1%25lo]", "[::]", "8.8.8.8:1", "[2001:db8::1]", "256.1.1.1", "[::1", ""]
+image_urls = st.one_of(
+    st.builds(_data_url, st.sampled_from(["image/png", "image/jpeg", "text/plain", ""]), image_bytes),
+    st.sampled_from(["data:", "data:image/png;base64,!!!", "data:image/png,raw", "ftp://x/y.png", "file:///etc/passwd",
+                     "", "not a url"]),
+    st.builds(lambda scheme, host, path: f"{scheme}://{host}/{path}", st.sampled_from(["http", "https", "HTTP"]),
+              st.sampled_from(URL_HOSTS), st.sampled_from(["a.png", "", "%00", "x" * 50])),
+)
+input_audio_data = st.one_of(st.builds(lambda b: base64.b64encode(b).decode(), audio_bytes),
+                             st.sampled_from(["", "!!!!", "AAAA", "=" * 9]))
+
+
+# -- JSON schemas (response_format, tools, text.format) ---------------------------------------
+
+# KNOWN_OPEN (see test_fuzz_routes.py): a schema with minLength / maxLength / minItems / maxItems
+# above 100 makes libllama's grammar sampler crash the whole process, so none is generated.
+SCHEMA_BOUND_LIMIT = 100
+SCHEMA_BOUND_KEYS = ("minLength", "maxLength", "minItems", "maxItems")
+_bound = st.integers(0, SCHEMA_BOUND_LIMIT)
+
+
+def _schema_leaf() -> st.SearchStrategy[dict[str, Any]]:
+    return st.one_of(
+        st.fixed_dictionaries({"type": st.just("string")}, optional={"minLength": _bound, "maxLength": _bound,
+                                                                       "enum": st.lists(WORDS, max_size=3),
+                                                                       "pattern": st.sampled_from(["^a+$", "[", ".*"]),
+                                                                       "format": st.sampled_from(["date", "email"])}),
+        st.fixed_dictionaries({"type": st.sampled_from(["integer", "number"])},
+                              optional={"minimum": st.integers(-10, 10), "maximum": st.integers(-10, 10)}),
+        st.fixed_dictionaries({"type": st.sampled_from(["boolean", "null", "nope", ""])}),
+        st.fixed_dictionaries({"const": st.one_of(st.integers(-3, 3), WORDS)}),
+        st.just({}),
+        st.just({"$ref": "#/$defs/missing"}),
+    )
+
+
+def _schema_node(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    names = st.sampled_from(["a", "b", "name", "city", "", "x y", "\u00e9"])
+    return st.one_of(
+        st.builds(lambda props, req: {"type": "object", "properties": props, "required": req},
+                  st.dictionaries(names, children, max_size=3), st.lists(names, max_size=2)),
+        st.fixed_dictionaries({"type": st.just("array"), "items": children},
+                              optional={"minItems": _bound, "maxItems": _bound}),
+        st.builds(lambda opts: {"anyOf": opts}, st.lists(children, max_size=3)),
+        st.builds(lambda opts: {"oneOf": opts}, st.lists(children, min_size=1, max_size=2)),
+    )
+
+
+json_schemas = st.recursive(_schema_leaf(), _schema_node, max_leaves=6)
+
+
+def crashes_the_grammar(value: Any) -> bool:
+    """Whether a body holds a schema bound above SCHEMA_BOUND_LIMIT anywhere (KNOWN_OPEN)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key in SCHEMA_BOUND_KEYS and isinstance(item, int | float) and not isinstance(item, bool):
+                if not item <= SCHEMA_BOUND_LIMIT:  # NaN counts as above
+                    return True
+            if crashes_the_grammar(item):
+                return True
+    elif isinstance(value, list):
+        return any(crashes_the_grammar(item) for item in value)
+    return False
+
+
+# -- bodies from the wire models ----------------------------------------------------------------
+
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(-5, 5), SHORT_TEXT)
+small_json = st.recursive(JSON_SCALARS, lambda c: st.one_of(st.lists(c, max_size=3),
+                                                           st.dictionaries(SHORT_TEXT, c, max_size=3)), max_leaves=5)
+
+content_parts = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": WORDS}),
+    st.fixed_dictionaries({"type": st.just("image_url"),
+                           "image_url": st.fixed_dictionaries({"url": image_urls},
+                                                              optional={"detail": st.sampled_from(["auto", "low"])})}),
+    st.fixed_dictionaries({"type": st.just("input_audio"), "input_audio": st.fixed_dictionaries(
+        {"data": input_audio_data}, optional={"format": st.sampled_from(["wav", "mp3", "x"])})}),
+)
+tool_calls = st.lists(st.fixed_dictionaries({"id": st.sampled_from(["call_1", "OK"]), "type": st.just("function"),
+                                             "function": st.fixed_dictionaries({
+                                                 "name": st.just("get_weather"),
+                                                 "arguments": st.sampled_from(['{"city": "Paris"}', "{", ""])})}),
+                      max_size=1)
+chat_messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"])},
+        optional={"content": st.one_of(WORDS, st.none(), st.lists(content_parts, max_size=2)), "name": WORDS,
+                  "tool_call_id": WORDS, "tool_calls": tool_calls},
+    ), min_size=1, max_size=3,
+)
+responses_items = st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "developer"]),
+                           "content": st.one_of(WORDS, st.lists(st.fixed_dictionaries(
+                               {"type": st.sampled_from(["input_text", "output_text", "input_image"]), "text": WORDS}),
+                               max_size=2))}),
+    st.fixed_dictionaries({"type": st.just("message"), "role": st.just("user"), "content": WORDS}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": WORDS, "name": st.just("get_weather"),
+                           "arguments": st.sampled_from(['{"city": "Paris"}', "{"])}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": WORDS, "output": WORDS}),
+    small_json,
+), min_size=1, max_size=3)
+
+# Field values that keep a valid body cheap to serve (tiny token counts, short texts, served
+# models); every other field is drawn from its annotation and constraints.
+FIELD_OVERRIDES: dict[str, st.SearchStrategy[Any]] = {
+    "model": model_names,
+    "messages": chat_messages,
+    "max_tokens": st.integers(1, 3),
+    "max_completion_tokens": st.integers(1, 3),
+    "max_output_tokens": st.integers(1, 3),
+    "num_ctx": st.sampled_from([1, 256, 2048, 4096, 9000]),
+    "ctx_size": st.sampled_from([1, 256, 2048]),
+    "context_len": st.sampled_from([256, 2048, 4096, 9000]),
+    "top_logprobs": st.integers(0, 3),
+    "seed": st.integers(0, 2**31),
+    "stop": st.one_of(WORDS, st.lists(WORDS, max_size=5)),
+    "parameters": json_schemas,
+    "schema_": json_schemas,
+    "prompt": st.one_of(WORDS, st.lists(WORDS, max_size=2)),
+    "input": st.one_of(WORDS, st.lists(WORDS, max_size=3)),
+    "instructions": WORDS,
+    "voice": st.sampled_from(["alloy", "echo", "nova", "onyx", "shimmer", "joe", "nope", ""]),
+    "language": st.sampled_from(["en", "de", "", "english", "xx-YY"]),
+    "max_bytes": st.sampled_from([0, 1, 1 << 20, 1 << 40]),
+    "max_loaded_models": st.integers(1, 4),
+    "vram_bytes": st.sampled_from([0, 4 << 30, 24 << 30]),
+    "ram_bytes": st.sampled_from([1, 16 << 30]),
+    "mode": st.sampled_from(["off", "auto", "on", "maybe", ""]),
+}
+# Per-model refinements of the overrides above (keyed "<Model>.<field>").
+MODEL_FIELD_OVERRIDES: dict[str, st.SearchStrategy[Any]] = {
+    "ResponsesRequest.input": st.one_of(WORDS, responses_items),
+    "SpeechRequest.input": WORDS,
+    "EmbeddingRequest.input": st.one_of(WORDS, st.lists(WORDS, max_size=3), st.just(""), st.just([])),
+    "ResponsesRequest.tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]),
+                                              st.just({"type": "function", "name": "get_weather"}), small_json),
+}
+
+
+def _bounds(metadata: list[Any]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for item in metadata:
+        for name in ("ge", "gt", "le", "lt", "min_length", "max_length", "pattern"):
+            value = getattr(item, name, None)
+            if value is not None:
+                found[name] = value
+    return found
+
+
+def for_annotation(annotation: Any, metadata: list[Any] | None = None) -> st.SearchStrategy[Any]:
+    """A strategy of valid JSON values for a pydantic field annotation and its constraints."""
+    bounds = _bounds(metadata or [])
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        inner, *extra = typing.get_args(annotation)
+        return for_annotation(inner, [*(metadata or []), *extra])
+    if origin is typing.Literal:
+        return st.sampled_from(typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        return st.one_of([for_annotation(arg, metadata) for arg in typing.get_args(annotation)])
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        return st.lists(for_annotation(item), min_size=bounds.get("min_length", 0), max_size=3)
+    if origin is dict or annotation is dict:
+        return st.dictionaries(SHORT_TEXT, small_json, max_size=3)
+    if annotation is type(None):
+        return st.none()
+    if annotation is bool:
+        return st.booleans()
+    if annotation is int:
+        low = bounds.get("ge", bounds["gt"] + 1 if "gt" in bounds else -5)
+        return st.integers(low, bounds.get("le", bounds["lt"] - 1 if "lt" in bounds else low + 100))
+    if annotation is float:
+        low = bounds.get("ge", bounds.get("gt", -5.0))
+        return st.floats(low, bounds.get("le", bounds.get("lt", low + 10.0)), exclude_min="gt" in bounds,
+                         exclude_max="lt" in bounds, allow_nan=False)
+    if annotation is str:
+        if "pattern" in bounds:
+            return st.from_regex(bounds["pattern"], fullmatch=True).filter(
+                lambda s: bounds.get("min_length", 0) <= len(s) <= bounds.get("max_length", 10**6))
+        return st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)),
+                       min_size=bounds.get("min_length", 0), max_size=min(bounds.get("max_length", 12), 12))
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return wire_body(annotation)
+    return small_json  # Any
+
+
+def wire_body(model: type[BaseModel]) -> st.SearchStrategy[dict[str, Any]]:
+    """A valid body of `model`: every required field, a random subset of the optional ones, keys
+    spelled as on the wire (aliases)."""
+    required: dict[str, st.SearchStrategy[Any]] = {}
+    optional: dict[str, st.SearchStrategy[Any]] = {}
+    for name, field in model.model_fields.items():
+        strategy = MODEL_FIELD_OVERRIDES.get(f"{model.__name__}.{name}")
+        if strategy is None:
+            strategy = FIELD_OVERRIDES.get(name)
+        if strategy is None:
+            strategy = for_annotation(field.annotation, list(field.metadata))
+        (required if field.is_required() else optional)[field.alias or name] = strategy
+    return st.fixed_dictionaries(required, optional=optional)
+
+
+# -- mutations ------------------------------------------------------------------------------------
+
+LONE_SURROGATES = ("\ud800", "\udfff", "a\udc00b")
+NASTY_STRINGS = ("", " ", "\x00", "a\x00b", "\n\r\t", "\u202e\u0301", "\U0001f600" * 3, "\ufeff", "\uffff",
+                 "null", "1e999", "-1", "<__media__>", "{{", "%s%n", "\\u0000", *LONE_SURROGATES)
+NASTY_NUMBERS = (0, -1, 2**31, 2**63, -(2**63) - 1, 10**30, -(10**30), 10**400, 1e308, -1e308, 5e-324, -0.0, 0.5,
+                 float("nan"), float("inf"), float("-inf"))
+nasty_values = st.one_of(
+    st.sampled_from(NASTY_STRINGS), st.sampled_from(NASTY_NUMBERS), st.sampled_from([None, True, False]),
+    st.sampled_from([[], {}, [[]], {"": None}, [None], {"type": None}]),
+    st.text(max_size=8),  # any code point, lone surrogates included
+    st.integers(), st.floats(),
+)
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    found = [prefix]
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found += _paths(item, (*prefix, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found += _paths(item, (*prefix, index))
+    return found
+
+
+def _replace(value: Any, path: tuple[Any, ...], new: Any) -> Any:
+    if not path:
+        return new
+    head, rest = path[0], path[1:]
+    if isinstance(value, dict):
+        return {**value, head: _replace(value[head], rest, new)}
+    copy = list(value)
+    copy[head] = _replace(copy[head], rest, new)
+    return copy
+
+
+def _delete(value: Any, path: tuple[Any, ...]) -> Any:
+    if len(path) == 1:
+        if isinstance(value, dict):
+            return {k: v for k, v in value.items() if k != path[0]}
+        return [v for i, v in enumerate(value) if i != path[0]]
+    head = path[0]
+    if isinstance(value, dict):
+        return {**value, head: _delete(value[head], path[1:])}
+    copy = list(value)
+    copy[head] = _delete(copy[head], path[1:])
+    return copy
+
+
+def _get(value: Any, path: tuple[Any, ...]) -> Any:
+    for step in path:
+        value = value[step]
+    return value
+
+
+@dataclass(frozen=True)
+class Deep:
+    """`leaf` inside `depth` arrays or objects; written out by encode_json (json.dumps itself
+    recurses, so it cannot write a value deeper than Python's recursion limit)."""
+
+    depth: int
+    kind: str
+    leaf: Any
+
+    def text(self) -> str:
+        inner = encode_json(self.leaf, "plain").decode("utf-8", "surrogatepass")
+        if self.kind == "list":
+            return "[" * self.depth + inner + "]" * self.depth
+        return '{"a":' * self.depth + inner + "}" * self.depth
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        return any(0xD800 <= ord(ch) <= 0xDFFF for ch in value)
+    if isinstance(value, dict):
+        return any(has_lone_surrogate(k) or has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(has_lone_surrogate(v) for v in value)
+    if isinstance(value, Deep):
+        return has_lone_surrogate(value.leaf)
+    return False
+
+
+def max_depth(value: Any) -> int:
+    """How deeply arrays and objects nest in a body (a Deep counts its levels)."""
+    if isinstance(value, Deep):
+        return value.depth + max_depth(value.leaf)
+    if isinstance(value, dict):
+        return 1 + max((max_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((max_depth(v) for v in value), default=0)
+    return 0
+
+
+@st.composite
+def mutated(draw: st.DrawFn, body: Any, max_mutations: int = 3) -> Any:
+    """`body` with 0..max_mutations changes: a value replaced by a wrong type, a nasty string or
+    number, a huge string, deep nesting; a field deleted; an extra field added."""
+    for _ in range(draw(st.integers(0, max_mutations))):
+        path = draw(st.sampled_from(_paths(body)))
+        target = _get(body, path)
+        op = draw(st.sampled_from(["replace", "replace", "delete", "extra", "huge", "nest", "unicode"]))
+        if op == "replace":
+            body = _replace(body, path, draw(nasty_values))
+        elif op == "delete" and path:
+            body = _delete(body, path)
+        elif op == "extra" and isinstance(target, dict):
+            body = _replace(body, path, {**target, draw(st.sampled_from(["extra", "", "\x00", "model", "__proto__"])):
+                                         draw(nasty_values)})
+        elif op == "huge":
+            size = draw(st.sampled_from([401, 5000, 70000]))
+            body = _replace(body, path, draw(st.sampled_from(["x", "\u00e9", "\U0001f600 "])) * size)
+        elif op == "nest":
+            depth = draw(st.sampled_from([2, 30, 200, 5000]))
+            body = _replace(body, path, Deep(depth, draw(st.sampled_from(["list", "dict"])), target))
+        elif op == "unicode" and isinstance(target, str):
+            body = _replace(body, path, target + draw(st.sampled_from(NASTY_STRINGS)))
+    return body
+
+
+# -- encodings, content types, headers ---------------------------------------------------------------
+
+
+def encode_json(value: Any, flavour: str) -> bytes:
+    """The body on the wire: plain JSON (NaN and Infinity as Python writes them), raw UTF-8 with
+    any lone surrogate written as is (invalid UTF-8), with a BOM, truncated or with trailing junk."""
+    deep: list[Deep] = []
+
+    def placeholder(item: Any) -> str:
+        if not isinstance(item, Deep):
+            raise TypeError(f"not JSON: {item!r}")
+        deep.append(item)
+        return f"__deep_{len(deep) - 1}__"
+
+    text = json.dumps(value, ensure_ascii=flavour != "raw_utf8", default=placeholder)
+    for index, item in enumerate(deep):
+        text = text.replace(f'"__deep_{index}__"', item.text(), 1)
+    data = text.encode("utf-8", "surrogatepass")
+    if flavour == "bom":
+        return b"\xef\xbb\xbf" + data
+    if flavour == "truncated":
+        return data[: max(len(data) // 2, 1)]
+    if flavour == "trailing":
+        return data + b"}{"
+    if flavour == "latin1":
+        return text.encode("latin-1", "replace")
+    return data
+
+
+JSON_FLAVOURS = st.sampled_from(["plain"] * 10 + ["raw_utf8", "bom", "truncated", "trailing", "latin1"])
+JSON_TYPES = st.sampled_from(["application/json"] * 12 + [
+    "application/json; charset=utf-8", "application/json; charset=latin-1", "application/json; charset=utf-16",
+    "APPLICATION/JSON", "text/plain", "application/x-www-form-urlencoded", "application/xml", "",
+    "multipart/form-data", "multipart/form-data; boundary=", "application/octet-stream", "application/json;;;",
+    "\x7f/\x7f",
+])
+garbage_bodies = st.one_of(
+    st.binary(max_size=256), st.text(max_size=64).map(lambda t: t.encode("utf-8", "surrogatepass")),
+    st.sampled_from([b"", b"null", b"[]", b"1", b'"x"', b"{", b"{}", b'{"a":1,"a":2}', b"NaN", b"\xff\xfe{\x00}\x00",
+                     b"[" * 5000, b'{"a":' * 5000, b"\x00" * 64, b'{"model": "\\ud800"}']),
+)
+
+
+def multipart(parts: list[tuple[str, str | None, bytes]], boundary: str = "fuzzBoundary123") -> bytes:
+    """A multipart/form-data body: (name, filename or None, value) parts."""
+    out = b""
+    for name, filename, value in parts:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename is not None else "")
+        out += f"--{boundary}\r\nContent-Disposition: {disposition}\r\n".encode("utf-8", "surrogatepass")
+        if filename is not None:
+            out += b"Content-Type: audio/wav\r\n"
+        out += b"\r\n" + value + b"\r\n"
+    return out + f"--{boundary}--\r\n".encode()
+
+
+@st.composite
+def transcription_upload(draw: st.DrawFn) -> tuple[bytes, str]:
+    """A multipart transcription upload (what the SDKs send), mutated: no file part, no
+    filename, odd fields, a wrong or missing boundary, a truncated body."""
+    fields = draw(mutated(draw(st.fixed_dictionaries(
+        {"model": model_names},
+        optional={"language": FIELD_OVERRIDES["language"], "prompt": WORDS, "temperature": st.sampled_from(
+            ["0", "0.5", "2", "-1", "hot", "nan", "1e999"]), "response_format": st.sampled_from(
+            ["json", "text", "verbose_json", "srt", "vtt", "xml", ""]),
+            "timestamp_granularities[]": st.sampled_from(["word", "segment", "char"])})), max_mutations=1))
+    parts = [(str(k), None, v.encode("utf-8", "surrogatepass") if isinstance(v, str) else encode_json(v, "plain"))
+             for k, v in (fields.items() if isinstance(fields, dict) else [])]
+    if draw(st.integers(0, 9)):
+        parts.append(("file", draw(st.sampled_from(["speech.wav", "", "a\x00.wav", "../x.mp3", None])),
+                      draw(audio_bytes)))
+    parts = draw(st.permutations(parts))
+    body = multipart(parts)
+    shape = draw(st.sampled_from(["ok"] * 8 + ["no_boundary", "wrong_boundary", "truncated", "empty"]))
+    content_type = "multipart/form-data; boundary=fuzzBoundary123"
+    if shape == "no_boundary":
+        content_type = "multipart/form-data"
+    elif shape == "wrong_boundary":
+        content_type = "multipart/form-data; boundary=other"
+    elif shape == "truncated":
+        body = body[: len(body) // 2]
+    elif shape == "empty":
+        body = b""
+    return body, content_type
+
+
+HEADER_VALUES = st.one_of(
+    st.sampled_from(["", " ", "0", "-1", "1e309", "abc", "999999999999999999999", "nan", "true", "x" * 8000,
+                     "smollm2-135m", "piper-joe", "voice/1", "\t"]),
+    st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=16),
+)
+AUTHORIZATIONS = st.sampled_from([f"Bearer {ADMIN_KEY}"] * 40 + [
+    None, f"bearer   {ADMIN_KEY} ", f"Bearer {USER_KEY}", f"Bearer {USER_KEY}", "", "Bearer", "Bearer ", "Basic YTpi",
+    "Bearer sk-wrong", f"Token {ADMIN_KEY}", f"Bearer {ADMIN_KEY}\x00", "Bearer " + "k" * 4000,
+])
+ODD_HEADERS = ["x-hypnos-deadline-ms", "x-hypnos-next-model", "x-hypnos-workflow", "x-hypnos-workflow-end",
+               "accept", "accept-encoding", "content-encoding", "origin", "x-request-id", "range", "expect",
+               "x-forwarded-for", "cookie", "access-control-request-method"]
+
+
+@st.composite
+def headers(draw: st.DrawFn) -> dict[str, str]:
+    """Mostly the admin key and nothing odd; sometimes a bad key and a few odd headers."""
+    found: dict[str, str] = {}
+    authorization = draw(AUTHORIZATIONS)
+    if authorization is not None:
+        found["authorization"] = authorization
+    odd = draw(st.sampled_from([0] * 6 + [1, 1, 2, 3]))
+    for name in draw(st.lists(st.sampled_from(ODD_HEADERS), min_size=odd, max_size=odd, unique=True)):
+        found[name] = draw(HEADER_VALUES)
+    return found
+
+
+def path_segment(raw: str) -> str:
+    return quote(raw.encode("utf-8", "surrogatepass"), safe="")
+
+
+path_ids = st.one_of(st.sampled_from(SERVED + ALIASES), st.sampled_from(["nope", "%00", "%ff", "..", "a/b", "x" * 300]),
+                     SHORT_TEXT.filter(bool).map(path_segment))
+query_strings = st.one_of(
+    st.just(""),
+    st.builds(lambda k, v: f"?{k}={v}", st.sampled_from(["modality", "limit", "status", "model", "route", "key",
+                                                          "drain_secs", "x", ""]),
+              st.sampled_from(["", "1", "-1", "abc", "1e309", "nan", "%00", "%ff", "text_generation", "5xx", "x" * 500,
+                               "120", "3601"])),
+    st.sampled_from(["?", "?&&", "?a=1&a=2", "?%zz", "?limit"]),
+)

@@ -1,0 +1,496 @@
+"""Property-based fuzzing of every route of the URL table, in process, against real engines.
+
+Hypothesis builds requests for each route (bodies from the wire models, valid then mutated; raw
+garbage; multipart uploads; odd content types, headers, methods and paths) and sends them to the
+Django app through Django's AsyncClient, with a worker serving SmolLM2, MiniLM, Whisper tiny.en
+and Piper. Every answer must hold the contract of spec §1 and §4:
+
+- no 5xx (except the spec's own: 503 deadline_unmeetable when the request set a deadline,
+  507 when a manual placement does not fit), no exception, no hang;
+- every 4xx is the JSON envelope {"error": {"message", "type", "param", "code"}}, except the
+  plain-text 408 and 413 of spec §4;
+- every answer carries x-request-id: req-<32 hex>.
+
+The findings are collected over the whole run and reported together. KNOWN_OPEN lists, one
+predicate per finding, the shapes that still fail while their fixes land (issue 12); an entry
+whose shape no longer fails is reported as a warning so it can be removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from django.test import AsyncClient
+from django.urls import URLPattern, URLResolver, get_resolver
+from hypothesis import HealthCheck, Phase, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+from hypnos_site.config import HypnosConfig, KeyConfig
+from inference.protocol import (
+    AdvisorRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    InternalSetRequest,
+    KvParkRequest,
+    MemoryTierRequest,
+    MoeOffloadRequest,
+    ResponsesRequest,
+)
+from inference.protocol_media import EmbeddingRequest, SpeechRequest, TranscriptionRequest
+from tests.fuzz import strategies as fz
+from tests.integration.conftest import with_limits, with_server
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MIN_CASES_PER_ROUTE = 5
+REQUEST_TIMEOUT_SECS = 60.0
+METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
+# Reproducible in CI: the same examples every run (derandomize), no example database.
+CI_SETTINGS = hypothesis_settings(
+    derandomize=True, deadline=None, database=None, phases=[Phase.generate],
+    suppress_health_check=list(HealthCheck), print_blob=False,
+)
+REQUEST_ID = re.compile(r"^req-[0-9a-f]{32}$")
+ENVELOPE_KEYS = {"message", "type", "param", "code"}
+LOGGED = "the server logged an error: "
+
+
+# -- the requests ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    route: str  # the URL table's pattern
+    method: str
+    path: str
+    headers: dict[str, str]
+    content_type: str | None = None
+    body: bytes = b""
+    value: Any = None  # the body before encoding, when it was JSON
+    shape: str = ""  # how the body was made
+
+    def describe(self, limit: int = 600) -> str:
+        body = self.body if len(self.body) <= limit else self.body[:limit] + b"...(%d bytes)" % len(self.body)
+        return (f"{self.method} {self.path[:200]} [{self.shape}] content-type={self.content_type!r} "
+                f"headers={ {k: v[:60] for k, v in self.headers.items()} } body={body!r}")
+
+
+@dataclass(frozen=True)
+class Route:
+    pattern: str
+    methods: tuple[str, ...]
+    body: st.SearchStrategy[Any] | None = None
+    path: st.SearchStrategy[str] | None = None
+    weight: int = 1
+
+
+def _model_path(suffix: str, ids: st.SearchStrategy[str] = fz.path_ids) -> st.SearchStrategy[str]:
+    return ids.map(lambda model_id: f"models/{model_id}{suffix}")
+
+
+# Routes that change the pool or a model's knobs act on the victim (or on no model at all), so
+# the fuzz run keeps the models the other routes need.
+victim_ids = st.sampled_from([fz.VICTIM, fz.VICTIM, "nope", "%00", fz.path_segment("\u00e9")])
+pool_body = st.one_of(
+    st.fixed_dictionaries({}, optional={"catalog": st.one_of(st.sampled_from(
+        ["smollm2-135m", "qwen2.5-coder-1.5b:q4_k_m", "nope:q1", ":", ""]), fz.SHORT_TEXT),
+        "config": st.one_of(st.sampled_from([
+            '[[models]]\nid = "fuzz-added"\nmodality = "text_generation"\nengine = "ggml_llama"\n'
+            'weights_path = "SmolLM2-135M-Instruct.Q4_1.gguf"\ncontext_len = 512\n',
+            'id = "x"', "[[models]]", "not toml = = =", "", '[[models]]\nid = "\\u0000"\n']), fz.SHORT_TEXT),
+        "drain_secs": st.sampled_from([0, 1, -1, 3601, "x", None])}),
+)
+options_body = st.fixed_dictionaries({}, optional={
+    "temperature": st.floats(0, 2), "top_k": st.integers(0, 50), "max_tokens": st.integers(1, 3),
+    "priority": st.sampled_from(["low", "normal", "high", "realtime_pinned", "top"]),
+    "initial_tier": st.sampled_from(["tier2_pinned_ram", "tier3_nvme_ssd", "tier9"]),
+    "context_len": st.sampled_from([256, 512, 100]), "slots": st.sampled_from([1, 2, 0]),
+    "dry_run": st.booleans(), "drain_secs": st.sampled_from([0, 1, "x"]), "nope": st.none()})
+lemonade_body = st.fixed_dictionaries({}, optional={"model_name": fz.model_names, "model": fz.model_names,
+                                                    "ctx_size": st.sampled_from([256, 2048, 1, -1, "x"])})
+transcription_json = fz.wire_body(TranscriptionRequest).flatmap(
+    lambda fields: st.builds(lambda audio: {**fields, "audio_bytes": list(audio)}, fz.audio_bytes))
+log_ids = st.one_of(st.just("req-" + "0" * 32), fz.path_ids)
+
+V1_ROUTES = [
+    Route("chat/completions", ("POST",), fz.wire_body(ChatCompletionRequest), weight=12),
+    Route("completions", ("POST",), fz.wire_body(CompletionRequest), weight=5),
+    Route("responses", ("POST",), fz.wire_body(ResponsesRequest), weight=5),
+    Route("models", ("GET", "HEAD", "POST"), pool_body, weight=2),
+    Route("models/catalog", ("GET",)),
+    Route("advisor", ("POST",), fz.wire_body(AdvisorRequest), weight=2),
+    Route("models/<path:model_id>/files", ("GET",), path=_model_path("/files")),
+    Route("models/<path:model_id>/options", ("GET", "POST", "DELETE"), options_body,
+          path=_model_path("/options", victim_ids)),
+    Route("models/<path:model_id>/enable", ("POST",), path=_model_path("/enable", victim_ids)),
+    Route("models/<path:model_id>/disable", ("POST",), path=_model_path("/disable", victim_ids)),
+    Route("models/<path:model_id>/moe-offload", ("POST",), fz.wire_body(MoeOffloadRequest),
+          path=_model_path("/moe-offload", victim_ids)),
+    Route("models/<path:model_id>", ("GET", "PUT", "DELETE"), pool_body, path=_model_path("", victim_ids)),
+    Route("memory/status", ("GET",)),
+    Route("memory/tier", ("POST",), fz.wire_body(MemoryTierRequest), weight=2),
+    Route("memory/kv-park", ("GET", "POST"), fz.wire_body(KvParkRequest)),
+    Route("embeddings", ("POST",), fz.wire_body(EmbeddingRequest), weight=6),
+    Route("audio/transcriptions", ("POST",), transcription_json, weight=6),
+    Route("audio/speech", ("POST",), fz.wire_body(SpeechRequest), weight=6),
+    Route("^.*$", ("GET", "POST", "DELETE"), path=st.sampled_from(["no/such/route", "chat", "chat/completions/x",
+                                                                       "audio", "%00", "models/"])),
+    Route("logs", ("GET", "DELETE")),
+    Route("logs/level", ("POST",), st.fixed_dictionaries({"level": st.one_of(st.sampled_from(
+        ["off", "error", "warn", "info", "debug", "trace", "loud", ""]), fz.nasty_values)})),
+    Route("logs/<str:request_id>", ("GET",), path=log_ids.map(lambda i: f"logs/{i}")),
+]
+ROUTES = [
+    Route("health", ("GET",)),
+    Route("ready", ("GET",)),
+    Route("metrics", ("GET",)),
+    Route("internal/set", ("POST",), fz.wire_body(InternalSetRequest)),
+    Route("api/v1/health", ("GET",)),
+    Route("api/v1/load", ("POST",), lemonade_body),
+    Route("api/v1/unload", ("POST",), lemonade_body),
+    Route("api/v1/stats", ("GET",)),
+    *[Route("v1/" + r.pattern, r.methods, r.body, r.path, r.weight) for r in V1_ROUTES],
+    *[Route("api/v1/" + r.pattern, r.methods, r.body, r.path, max(r.weight // 3, 1)) for r in V1_ROUTES],
+]
+UNKNOWN_TOP_LEVEL = Route("<top-level 404>", ("GET", "POST"), path=st.sampled_from(["", "nope", "v2/models", "v1",
+                                                                                       "static/x", "%ff"]))
+FUZZED = [*ROUTES, UNKNOWN_TOP_LEVEL]
+# Cases per route: its weight times this (the inference routes have the most shapes to try).
+CASES_PER_WEIGHT = 12
+
+
+def _url_of(route: Route, drawn: str | None) -> str:
+    if route is UNKNOWN_TOP_LEVEL:
+        return "/" + (drawn or "")
+    prefix = route.pattern.split("v1/")[0] + "v1/" if "v1/" in route.pattern else ""
+    if drawn is not None:
+        return "/" + prefix + drawn
+    return "/" + route.pattern
+
+
+@st.composite
+def cases(draw: st.DrawFn, route: Route) -> Case:
+    method = draw(st.sampled_from(route.methods)) if draw(st.integers(0, 9)) else draw(st.sampled_from(METHODS))
+    path = _url_of(route, draw(route.path) if route.path is not None else None) + draw(fz.query_strings)
+    case = Case(route.pattern, method, path, draw(fz.headers()))
+    if method in ("GET", "HEAD", "OPTIONS", "DELETE") and not draw(st.integers(0, 7)) == 0:
+        return case
+    kind = draw(st.sampled_from(["wire"] * 8 + ["garbage"])) if route.body is not None else "garbage"
+    if route.pattern.endswith("audio/transcriptions") and draw(st.booleans()):
+        case.body, case.content_type = draw(fz.transcription_upload())
+        case.shape = "multipart"
+        return case
+    if kind == "wire":
+        value = draw(fz.mutated(draw(route.body)))
+        flavour = draw(fz.JSON_FLAVOURS)
+        case.value, case.body, case.shape = value, fz.encode_json(value, flavour), f"json/{flavour}"
+    else:
+        case.body, case.shape = draw(fz.garbage_bodies), "garbage"
+    case.content_type = draw(fz.JSON_TYPES)
+    return case
+
+
+# -- what an answer must hold ---------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    status: int | None
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    error: str | None = None  # an exception or a hang instead of an answer
+    logged: list[str] = field(default_factory=list)  # ERROR records the server logged meanwhile
+
+
+def _nesting(body: bytes) -> int:
+    """The deepest nesting of arrays and objects in a JSON text (strings skipped)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in body:
+        if in_string:
+            escaped, in_string = (not escaped and byte == 0x5C), in_string and (escaped or byte != 0x22)
+        elif byte == 0x22:
+            in_string = True
+        elif byte in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in b"]}":
+            depth -= 1
+    return deepest
+
+
+def _no_boundary(case: Case) -> bool:
+    content_type = (case.content_type or "").lower()
+    return content_type.startswith("multipart/") and not re.search(r"boundary=[^;\s]", content_type)
+
+
+# KNOWN_OPEN: the findings still open while their fixes land (issue 12), each as the shape of
+# the request and the symptom it causes, so only that symptom on that shape is excused. The lead
+# engineer removes an entry when its fix lands; the test warns about an entry whose shape was
+# sent and never showed the symptom.
+KNOWN_OPEN: dict[str, tuple[Callable[[Case], bool], Callable[[Outcome, str], bool]]] = {
+    # JSON nested deeper than Python's recursion limit: RecursionError out of json.loads (the
+    # Django stack raises it; a DRF view that reads the body turns it into a 500).
+    "deep_json_recursion": (
+        lambda case: _nesting(case.body) > 900,
+        lambda outcome, problem: problem == "status 500" or "RecursionError" in problem),
+    # multipart/form-data without a boundary (or an empty one): Django's MultiPartParserError
+    # becomes its HTML 400 page, outside the envelope.
+    "multipart_without_boundary_html_400": (
+        _no_boundary,
+        lambda outcome, problem: outcome.status == 400 and "text/html" in problem),
+    # A lone surrogate in a body that reaches the request log: SQLite cannot encode it, the call
+    # is missing from the log (logs.middleware logs "logging failed" with the UnicodeEncodeError).
+    "lone_surrogate_request_log": (
+        lambda case: fz.has_lone_surrogate(case.value),
+        lambda outcome, problem: problem.startswith(LOGGED) and "UnicodeEncodeError" in problem),
+}
+# Generation exclusions: shapes never sent because they take the whole test process down.
+# - json_schema_bounds_crash_libllama: a JSON schema with minLength / maxLength / minItems /
+#   maxItems above 100 segfaults libllama's grammar sampler (strategies.crashes_the_grammar).
+GENERATION_EXCLUSIONS: dict[str, Callable[[Case], bool]] = {
+    "json_schema_bounds_crash_libllama": lambda case: fz.crashes_the_grammar(case.value),
+}
+
+
+def violations(case: Case, outcome: Outcome) -> list[str]:
+    """What is wrong with the answer to `case` (empty: it holds the contract)."""
+    if outcome.error is not None:
+        return [outcome.error]
+    found = [LOGGED + line for line in outcome.logged]
+    status, content_type = outcome.status or 0, outcome.headers.get("content-type", "")
+    if not REQUEST_ID.match(outcome.headers.get("x-request-id", "")):
+        found.append(f"x-request-id missing or malformed: {outcome.headers.get('x-request-id')!r}")
+    if status >= 500 and not _spec_5xx(case, outcome):
+        found.append(f"status {status}")
+    if status >= 400 and not (status in (408, 413) and content_type.startswith("text/plain")):
+        found += _envelope_problems(outcome, head=case.method == "HEAD")
+    elif 200 <= status < 300 and content_type.startswith("application/json") and case.method != "HEAD":
+        try:
+            json.loads(outcome.body)
+        except ValueError:
+            found.append("a 2xx JSON answer that does not parse")
+    if content_type.startswith("text/event-stream") and b'"finish_reason": "error"' in outcome.body:
+        found.append("a stream that failed after its headers")
+    return found
+
+
+def _spec_5xx(case: Case, outcome: Outcome) -> bool:
+    """The 5xx answers the spec gives to these requests on a healthy server."""
+    kind = _error_type(outcome)
+    if outcome.status == 503 and kind == "deadline_unmeetable":
+        return "x-hypnos-deadline-ms" in case.headers
+    if outcome.status == 507 and kind in ("insufficient_vram_or_ram", "process_memory_cap"):
+        return case.route.endswith(("memory/tier", "api/v1/load"))
+    return False
+
+
+def _error_type(outcome: Outcome) -> str | None:
+    try:
+        return json.loads(outcome.body)["error"]["type"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _envelope_problems(outcome: Outcome, head: bool) -> list[str]:
+    if not outcome.headers.get("content-type", "").startswith("application/json"):
+        return [f"error answer in {outcome.headers.get('content-type')!r}, not JSON"]
+    if head:  # the headers of the GET answer, without its body
+        return []
+    try:
+        body = json.loads(outcome.body)
+    except ValueError:
+        return ["error answer whose JSON does not parse"]
+    if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(body["error"], dict):
+        return [f"error answer outside the envelope: {outcome.body[:200]!r}"]
+    error = body["error"]
+    problems = []
+    if set(error) != ENVELOPE_KEYS:
+        problems.append(f"error keys {sorted(error)} instead of {sorted(ENVELOPE_KEYS)}")
+    if not isinstance(error.get("message"), str) or not error.get("message"):
+        problems.append("error.message is not a non-empty string")
+    if not isinstance(error.get("type"), str):
+        problems.append("error.type is not a string")
+    for key in ("param", "code"):
+        if error.get(key) is not None and not isinstance(error.get(key), str):
+            problems.append(f"error.{key} is neither a string nor null")
+    return problems
+
+
+# -- running them ---------------------------------------------------------------------------------------
+
+
+async def send(api: AsyncClient, case: Case) -> Outcome:
+    """One request through the whole Django stack; a streamed body is read to its end."""
+    kwargs: dict[str, Any] = {"headers": case.headers}
+    if case.content_type is not None:
+        kwargs["content_type"] = case.content_type
+    try:
+        response = await asyncio.wait_for(api.generic(case.method, case.path, data=case.body, **kwargs),
+                                          REQUEST_TIMEOUT_SECS)
+        if getattr(response, "streaming", False):
+            chunks = []
+
+            async def read() -> None:
+                async for chunk in response.streaming_content:
+                    chunks.append(chunk)
+
+            await asyncio.wait_for(read(), REQUEST_TIMEOUT_SECS)
+            body = b"".join(chunks)
+        else:
+            body = response.content
+    except TimeoutError:
+        return Outcome(None, error=f"no answer within {REQUEST_TIMEOUT_SECS:g} s (hang)")
+    except Exception as exc:  # an exception that left the Django stack: what a client sees as a 500
+        return Outcome(None, error=f"raised {type(exc).__name__}: {str(exc)[:200]}")
+    return Outcome(response.status_code, {k.lower(): v for k, v in response.items()}, body)
+
+
+class ErrorRecords(logging.Handler):
+    """The ERROR records logged while a case runs (django.request's own line about a 5xx is left
+    out: the status check reports those)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name == "django.request":
+            return
+        line = f"{record.name}: {record.getMessage()[:160]}"
+        if record.exc_info and record.exc_info[1] is not None:
+            line += f" ({type(record.exc_info[1]).__name__}: {str(record.exc_info[1])[:160]})"
+        self.lines.append(line)
+
+    def take(self) -> list[str]:
+        lines, self.lines = self.lines, []
+        return lines
+
+
+@dataclass
+class Report:
+    cases: Counter[str] = field(default_factory=Counter)
+    seconds: Counter[str] = field(default_factory=Counter)
+    statuses: Counter[int | None] = field(default_factory=Counter)
+    excluded: Counter[str] = field(default_factory=Counter)
+    known_failing: Counter[str] = field(default_factory=Counter)
+    known_passing: Counter[str] = field(default_factory=Counter)
+    # One example per distinct finding: (route, status, what) -> the request.
+    findings: dict[tuple[str, int | None, str], str] = field(default_factory=dict)
+    counts: Counter[tuple[str, int | None, str]] = field(default_factory=Counter)
+
+    def record(self, case: Case, outcome: Outcome) -> None:
+        self.cases[case.route] += 1
+        self.statuses[outcome.status] += 1
+        shapes = [name for name, (shape, _) in KNOWN_OPEN.items() if shape(case)]
+        showed: set[str] = set()
+        for problem in violations(case, outcome):
+            known = [name for name in shapes if KNOWN_OPEN[name][1](outcome, problem)]
+            showed.update(known)
+            if not known:
+                key = (case.route, outcome.status, re.sub(r"\d+ bytes|0x[0-9a-f]+|req-[0-9a-f]+", "N", problem))
+                self.counts[key] += 1
+                self.findings.setdefault(key, case.describe())
+        for name in shapes:
+            (self.known_failing if name in showed else self.known_passing)[name] += 1
+
+    def summary(self) -> str:
+        lines = [f"{sum(self.cases.values())} cases over {len(self.cases)} routes; statuses "
+                 f"{dict(sorted(self.statuses.items(), key=lambda kv: kv[0] or 0))}; "
+                 f"known open still failing {dict(self.known_failing)}; excluded {dict(self.excluded)}; slowest "
+                 f"routes (s) { {k: round(v, 1) for k, v in self.seconds.most_common(8)} }"]
+        for key, example in self.findings.items():
+            lines.append(f"- {key[0]} -> {key[1]}: {key[2]} ({self.counts[key]}x), e.g. {example}")
+        return "\n".join(lines)
+
+
+def fuzz_config(settings_: Any) -> HypnosConfig:
+    """The suite's config with what keeps the run cheap: tiny answers, short prompts, small
+    uploads, the four media-and-chat models plus a victim copy of SmolLM2, and API keys (an
+    admin and a plain one) so the authentication paths are fuzzed too."""
+    with_limits(settings_, max_tokens_cap=2, max_prompt_chars=400, max_audio_bytes=256 << 10,
+                max_image_bytes=64 << 10)
+    with_server(settings_, api_keys=[fz.ADMIN_KEY], keys=[KeyConfig(key=fz.USER_KEY, label="fuzz-user")])
+    config: HypnosConfig = settings_.HYPNOS
+    served = [m for m in config.models if m.id in fz.SERVED]
+    chat = next(m for m in served if m.id == fz.CHAT)
+    victim = chat.model_copy(update={"id": fz.VICTIM, "aliases": [], "initial_tier": "tier3_nvme_ssd"})
+    settings_.HYPNOS = config.model_copy(update={"models": [*served, victim]})
+    return settings_.HYPNOS
+
+
+def url_table_patterns() -> set[str]:
+    """Every route the URL table serves (the admin's HTML pages left out)."""
+    found: set[str] = set()
+
+    def walk(patterns: list[Any], prefix: str) -> None:
+        for entry in patterns:
+            route = prefix + str(entry.pattern)
+            if isinstance(entry, URLResolver):
+                walk(entry.url_patterns, route)
+            elif isinstance(entry, URLPattern) and not route.startswith("admin/"):
+                found.add(route)
+
+    walk(get_resolver().url_patterns, "")
+    return found
+
+
+def fuzz_route(route: Route, answer: Callable[[Case], Outcome], errors: ErrorRecords, report: Report) -> None:
+    """Send the route's generated cases one by one; every answer goes into the report."""
+
+    @hypothesis_settings(CI_SETTINGS, max_examples=route.weight * CASES_PER_WEIGHT)
+    @given(case=cases(route))
+    def run(case: Case) -> None:
+        excluded = [name for name, shape in GENERATION_EXCLUSIONS.items() if shape(case)]
+        if excluded:
+            report.excluded[excluded[0]] += 1
+            return
+        errors.take()
+        started = time.monotonic()
+        outcome = answer(case)
+        report.seconds[case.route] += time.monotonic() - started
+        outcome.logged = errors.take()
+        report.record(case, outcome)
+
+    run()
+
+
+def test_every_route_of_the_url_table_has_a_fuzz_strategy():
+    assert url_table_patterns() == {r.pattern for r in ROUTES}
+
+
+def test_fuzzed_requests_on_every_route_get_the_envelope_a_request_id_and_never_a_5xx(settings, serve):
+    serve(fuzz_config(settings))
+    report = Report()
+    started = time.monotonic()
+    errors = ErrorRecords()
+    logging.getLogger().addHandler(errors)
+    try:
+        with asyncio.Runner() as runner:
+            api = AsyncClient()
+            for route in FUZZED:
+                fuzz_route(route, lambda case: runner.run(send(api, case)), errors, report)
+    finally:
+        logging.getLogger().removeHandler(errors)
+    elapsed = time.monotonic() - started
+    print(f"fuzzed in {elapsed:.0f} s: " + report.summary())
+    for name in KNOWN_OPEN:
+        if report.known_passing[name] and not report.known_failing[name]:
+            warnings.warn(f"KNOWN_OPEN {name!r}: {report.known_passing[name]} cases of its shape were sent and "
+                          "none showed its symptom; once its fix has landed, remove the entry", stacklevel=1)
+    assert not report.findings, report.summary()
+    assert sum(report.cases.values()) + sum(report.excluded.values()) >= 1000, report.summary()
+    thin = {r.pattern: report.cases[r.pattern] for r in ROUTES if report.cases[r.pattern] < MIN_CASES_PER_ROUTE}
+    assert not thin, f"routes fuzzed fewer than {MIN_CASES_PER_ROUTE} times: {thin}"
+

@@ -140,6 +140,16 @@ class LimitsConfig(_Strict):
     remote_fetch_timeout_secs: float = Field(default=10, gt=0)
     max_document_bytes: int = Field(default=100 * MIB, ge=1)
     max_prompt_chars: int = Field(default=1_000_000, ge=1)
+    # JSON schemas turned into llama.cpp grammars (response_format, text.format, forced tool
+    # calls): the largest minLength/maxLength/minItems/maxItems and pattern {n,m} (also the count
+    # of alternatives and enum values), the properties of one object (llama-cpp-python's
+    # converter is quadratic in optional ones), the deepest nesting of sub-schemas, the largest
+    # GBNF text. libllama refuses a repetition above 1000 (and its sampler is then NULL) and
+    # overflows its stack near 16000 nested groups (inference/grammar_limits.py).
+    max_grammar_repetition: int = Field(default=1000, ge=1)
+    max_grammar_properties: int = Field(default=100, ge=1)
+    max_grammar_depth: int = Field(default=32, ge=1)
+    max_grammar_bytes: int = Field(default=256 * 1024, ge=1024)
     max_tokens_cap: int = Field(default=8192, ge=1)
     max_images_per_request: int = Field(default=4, ge=1)
     request_timeout_secs: float = Field(default=900, gt=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -293,10 +294,35 @@ class AdvisorRequest(_Wire):
 M = TypeVar("M", bound=BaseModel)
 
 
+def lone_surrogate_at(data: Any, path: tuple[str, ...] = ()) -> tuple[str, ...] | None:
+    """Where a string of the body holds a lone UTF-16 surrogate (the JSON escape \\ud800 parses
+    into one; it is no character and cannot be encoded as UTF-8 for an engine), or None."""
+    stack = [(path, data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return where
+        elif isinstance(value, dict):
+            stack += [((*where, str(key)), item) for key, item in value.items()]
+            stack += [(where, key) for key in value if isinstance(key, str)]
+        elif isinstance(value, list):
+            stack += [((*where, str(i)), item) for i, item in enumerate(value)]
+    return None
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
 def parse_body(model: type[M], data: Any) -> M:
     """Validate a request body; the first problem becomes a 400 naming the field."""
     if not isinstance(data, dict):
         raise InvalidRequest("The request body must be a JSON object.")
+    where = lone_surrogate_at(data)
+    if where is not None:
+        param = ".".join(where) or None
+        raise InvalidRequest(f"Invalid value for {param}: the string holds a lone UTF-16 surrogate "
+                             "(an unpaired \\ud800-\\udfff escape), which is not a character.", param=param)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from hypnos_site.config import ModelConfig
+from hypnos_site.config import LimitsConfig, ModelConfig
 from memory.kv_park import ParkedState
 from memory.planner import Footprint
 
@@ -78,6 +78,21 @@ class ChatWork:
     # Thinking on (spec §7.1) and its thought-token budget (None: bounded by max_tokens only).
     think: bool = False
     thinking_budget: int | None = None
+    # The request fields an error about the prompt or the JSON schema names (the routes differ).
+    prompt_param: str = "messages"
+    schema_param: str = "response_format"
+    # Set by the engine's prepare_chat in the worker, never sent by the web process.
+    prepared: PreparedPrompt | None = None
+
+
+@dataclass
+class PreparedPrompt:
+    """What an engine made of a chat before it starts (Engine.prepare_chat), kept for chat()."""
+
+    # The prompt's tokens; None when the engine counts them only as it evaluates them (images).
+    tokens: list[int] | None
+    # The engine's own plan (template output, grammar, tool handling).
+    plan: Any = None
 
 
 class DeltaSink(Protocol):
@@ -217,6 +232,16 @@ class Engine(ABC):
     def capabilities(self) -> set[str]:
         """What the model can do beyond its modality: `tools`, `thinking`."""
         return set()
+
+    def prepare_chat(self, work: ChatWork, limits: LimitsConfig) -> ChatWork:
+        """Everything that may refuse a chat before it runs (the prompt rendered and tokenised,
+        its grammar built), done before the worker reports `started`, so the refusal is a 4xx
+        before a stream's first byte; the work with it in `prepared`. Called on a loaded engine."""
+        return work
+
+    def check_context(self, work: ChatWork) -> None:
+        """ContextLengthExceeded when the prepared prompt leaves no room in the loaded context."""
+        return None
 
     def chat(self, work: ChatWork, cancel: threading.Event, on_delta: DeltaSink) -> ChatResult:
         raise NotImplementedError(f"{type(self).__name__} does not serve chat completions")

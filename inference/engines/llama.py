@@ -15,14 +15,14 @@ import llama_cpp
 import llama_cpp._internals as internals
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from hypnos_site.config import ENGINE_SAMPLING_DEFAULTS, ModelConfig
-from inference.engines.base import ChatResult, ChatWork, DeltaSink, Engine, LoadPhases
+from hypnos_site.config import ENGINE_SAMPLING_DEFAULTS, LimitsConfig, ModelConfig
+from inference.engines.base import ChatResult, ChatWork, DeltaSink, Engine, LoadPhases, PreparedPrompt
 from inference.engines.llama_io import AnswerOutput, json_grammar, oom_as_typed, template_message, token_logprobs
 from inference.engines.llama_offload import ExpertOffloadModel, expert_pattern
 from inference.engines.llama_slots import SlotJob, SlotScheduler, seq_state, set_seq_state
 from inference.engines.text import StopMatcher
 from inference.engines.thinking import FORCED_CLOSE, OPEN, ThinkBlock
-from inference.engines.tools import call_schema, parse_tool_calls
+from inference.engines.tools import call_schema, forced_tools, parse_tool_calls
 from inference.engines.vision import Projector
 from inference.errors import ContextLengthExceeded, InvalidRequest, ModelNotAvailable
 from memory.gguf import read_gguf
@@ -242,23 +242,51 @@ class LlamaEngine(Engine):
         template = str(self._metadata.get("tokenizer.chat_template", ""))
         return self.model.thinking or ("think_tags" if OPEN in template else None)
 
+    def prepare_chat(self, work: ChatWork, limits: LimitsConfig) -> ChatWork:
+        llm = self._llm
+        assert llm is not None, "prepare_chat on an unloaded engine"
+        plan = self._prompt(llm, work, limits)
+        if work.images:
+            # The projector tokenises the images with the text and checks the context (vision.py).
+            return replace(work, prepared=PreparedPrompt(None, plan))
+        try:
+            text = plan.prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(f"The prompt is not valid Unicode: {exc.reason} at character {exc.start}.",
+                                 param=work.prompt_param) from exc
+        # Tokenised once: the prefill reuses these tokens.
+        tokens = llm.tokenize(text, add_bos=plan.add_bos, special=plan.special)
+        if not tokens:
+            raise InvalidRequest("The prompt is empty.", param=work.prompt_param)
+        return replace(work, prepared=PreparedPrompt(tokens, plan))
+
+    def check_context(self, work: ChatWork) -> None:
+        tokens = work.prepared.tokens if work.prepared is not None else None
+        n_ctx = self.context_len
+        if tokens is not None and len(tokens) >= n_ctx:
+            raise ContextLengthExceeded(
+                f"The prompt is {len(tokens)} tokens but the model's context is {n_ctx} tokens "
+                f"(the model supports at most {self.trained_context_len or n_ctx}); send a shorter prompt"
+                + (" or a larger num_ctx." if n_ctx < self.trained_context_len else "."),
+                param=work.prompt_param,
+            )
+
     def chat(self, work: ChatWork, cancel: threading.Event, on_delta: DeltaSink) -> ChatResult:
         llm = self._llm
         assert llm is not None, "chat on an unloaded engine"
-        plan = self._prompt(llm, work)
+        if work.prepared is None:
+            work = self.prepare_chat(work, LimitsConfig())
+            self.check_context(work)
+        assert work.prepared is not None
+        plan: _PromptPlan = work.prepared.plan
         images_started = time.perf_counter()
         if work.images:
             tokens = self._image_prompt(llm, plan.prompt, work.images)
         else:
-            tokens = llm.tokenize(plan.prompt.encode("utf-8"), add_bos=plan.add_bos, special=plan.special)
+            assert work.prepared.tokens is not None
+            tokens = work.prepared.tokens
         images_ms = (time.perf_counter() - images_started) * 1000 if work.images else 0.0
         n_ctx = llm.n_ctx()
-        if len(tokens) >= n_ctx:
-            raise ContextLengthExceeded(
-                f"The prompt is {len(tokens)} tokens but the model's context is {n_ctx} tokens; "
-                "send fewer messages or ask for a larger num_ctx.",
-                param="messages",
-            )
         thoughts = self._think_block(plan, work)
         output = AnswerOutput(on_delta, hold=plan.tool_names is not None, forced=plan.forced_prefix is not None,
                          thoughts=thoughts)
@@ -367,11 +395,13 @@ class LlamaEngine(Engine):
                        decode_ms=first.decode_ms + sum(r.prefill_ms + r.decode_ms for r in legs[1:]),
                        concurrent_slots=max(r.concurrent_slots for r in legs))
 
-    def _prompt(self, llm: llama_cpp.Llama, work: ChatWork) -> _PromptPlan:
+    def _prompt(self, llm: llama_cpp.Llama, work: ChatWork, limits: LimitsConfig) -> _PromptPlan:
         """The prompt text, the grammar and the tool handling of one request."""
         schema = work.json_schema
+        vocab = llm._model.vocab
         if work.raw_prompt is not None:
-            return _PromptPlan(work.raw_prompt, add_bos=True, special=False, grammar=json_grammar(schema))
+            return _PromptPlan(work.raw_prompt, add_bos=True, special=False,
+                               grammar=json_grammar(schema, vocab, limits, work.schema_param))
         assert self._formatter is not None
         messages = [template_message(m) for m in work.messages]
         tools = work.tools if work.tools and work.tool_choice != "none" else None
@@ -388,20 +418,19 @@ class LlamaEngine(Engine):
             raise InvalidRequest(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
         prompt = self._thinking_prompt(prompt, think)
         if not tools:
-            return _PromptPlan(prompt, grammar=json_grammar(schema))
+            return _PromptPlan(prompt, grammar=json_grammar(schema, vocab, limits, work.schema_param))
         names = {t["function"]["name"] for t in tools}
         choice = work.tool_choice
         if choice == "auto" and self.model.tool_router:
             choice = self._route(llm, work.messages, tools)
             if choice is None:
-                return self._prompt(llm, replace(work, tool_choice="none"))
+                return self._prompt(llm, replace(work, tool_choice="none"), limits)
         if choice == "auto":
             return _PromptPlan(prompt, tool_names=names)
         # "required" or a named function: the answer starts as a call and a grammar keeps it one.
-        forced = [t for t in tools if isinstance(choice, dict) and t["function"]["name"] == choice["name"]] or tools
         prefix = "<tool_call>\n"
         return _PromptPlan(prompt + prefix, tool_names=names, forced_prefix=prefix,
-                           grammar=json_grammar(call_schema(forced)))
+                           grammar=json_grammar(call_schema(forced_tools(tools, choice)), vocab, limits, "tools"))
 
     def _thinking_prompt(self, prompt: str, think: bool) -> str:
         """Open the thinking block when the request thinks; close at once one the template

@@ -12,10 +12,12 @@ import llama_cpp
 import numpy as np
 from llama_cpp.llama_grammar import JSON_GBNF
 
+from hypnos_site.config import LimitsConfig
 from inference.engines.base import DeltaSink
 from inference.engines.thinking import ThinkBlock
 from inference.engines.tools import may_become_call
 from inference.errors import DeviceOutOfMemory, InvalidRequest
+from inference.grammar_limits import check_schema
 
 
 class AnswerOutput:
@@ -77,15 +79,27 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
-def json_grammar(schema: dict[str, Any] | None) -> llama_cpp.LlamaGrammar | None:
+def json_grammar(schema: dict[str, Any] | None, vocab: Any, limits: LimitsConfig,
+                 param: str = "response_format") -> llama_cpp.LlamaGrammar | None:
+    """The grammar of a JSON schema ({}: any JSON), checked against the grammar limits (the web
+    process checked it too; this is the last line) and parsed once by libllama itself: a grammar
+    libllama refuses gives a NULL sampler, which llama-cpp-python would add to the chain and
+    crash on at the first token."""
     if schema is None:
         return None
     if not schema:
         return llama_cpp.LlamaGrammar.from_string(JSON_GBNF, verbose=False)
     try:
-        return llama_cpp.LlamaGrammar.from_json_schema(json.dumps(schema), verbose=False)
-    except (ValueError, RuntimeError) as exc:
-        raise InvalidRequest(f"the JSON schema cannot be turned into a grammar: {exc}", param="response_format") from exc
+        gbnf = check_schema(schema, limits, param)
+    except RecursionError:
+        raise InvalidRequest("The JSON schema nests too deeply to be used as a grammar.", param=param) from None
+    assert gbnf is not None, "the worker has llama-cpp-python's grammar converter"
+    sampler = llama_cpp.llama_sampler_init_grammar(vocab, gbnf.encode("utf-8"), b"root")
+    if not sampler:
+        raise InvalidRequest(f"The JSON schema of {param} cannot be used as a grammar: libllama refuses the "
+                             "grammar it converts to (too many repetitions or rules).", param=param)
+    llama_cpp.llama_sampler_free(sampler)
+    return llama_cpp.LlamaGrammar.from_string(gbnf, verbose=False)
 
 
 def token_logprobs(llm: llama_cpp.Llama, token: int, piece: bytes, top: int, index: int = -1) -> list[dict[str, Any]]:

@@ -104,19 +104,39 @@ def _without(text: str, spans: list[tuple[int, int]]) -> str:
 
 
 def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """A JSON schema that only a call of one of `tools` satisfies (for grammar decoding)."""
-    options = [
-        {
+    """A JSON schema that only a call of one of `tools` satisfies (for grammar decoding). Each
+    tool's local references ("#/$defs/x") are rebased onto where its parameters now stand."""
+    options = []
+    for index, tool in enumerate(tools):
+        at = "#/properties/arguments" if len(tools) == 1 else f"#/anyOf/{index}/properties/arguments"
+        options.append({
             "type": "object",
             "properties": {
                 "name": {"const": tool["function"]["name"]},
-                "arguments": tool["function"].get("parameters") or {"type": "object"},
+                "arguments": _rebased(tool["function"].get("parameters") or {"type": "object"}, at),
             },
             "required": ["name", "arguments"],
-        }
-        for tool in tools
-    ]
+        })
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def forced_tools(tools: list[dict[str, Any]], choice: str | dict[str, Any]) -> list[dict[str, Any]]:
+    """The tools a forced call may pick: the named one, else ("required") all of them."""
+    named = [t for t in tools if isinstance(choice, dict) and t["function"]["name"] == choice.get("name")]
+    return named or tools
+
+
+def _rebased(schema: Any, at: str) -> Any:
+    """A copy of `schema` whose "#/..." references point below `at` instead of its own root."""
+    if isinstance(schema, list):
+        return [_rebased(item, at) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    copy = {key: _rebased(value, at) for key, value in schema.items()}
+    ref = copy.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        copy["$ref"] = at + ref[1:]
+    return copy
 
 
 def may_become_call(text: str) -> bool:

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from hypnos_site.config import ENGINE_SAMPLING_DEFAULTS, ModelConfig
 from inference.client import Event, InferenceCall, InferenceClient
 from inference.errors import HypnosError, InvalidRequest, ServerError
+from inference.grammar_limits import check_schema, check_tools
 from inference.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
 from inference.serving import image_input
 from inference.serving.context import RequestContext, start_call, with_wait_estimate
@@ -66,6 +67,17 @@ def sampling_payload(body: SamplingFields, model: ModelConfig, max_tokens: int |
     }
 
 
+def check_grammars(schema: dict[str, Any] | None, schema_param: str, tools: list[dict[str, Any]] | None,
+                   tool_choice: str | dict[str, Any]) -> None:
+    """The JSON schemas a grammar will be built from, against the grammar limits, before any
+    worker work: a schema libllama would crash on, or that its converter refuses, is a 400."""
+    limits = settings.HYPNOS.limits
+    if schema is not None:
+        check_schema(schema, limits, schema_param)
+    if tools:
+        check_tools(tools, tool_choice, limits)
+
+
 def worker_message(message: ChatMessage) -> dict[str, Any]:
     out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
                            "content": message.text_with_images()}
@@ -90,12 +102,15 @@ def chat_payload(body: ChatCompletionRequest) -> dict[str, Any]:
                 )
     check_prompt_chars(sum(len(m.text()) for m in body.messages), "messages")
     requested = [v for v in (body.max_tokens, body.max_completion_tokens) if v is not None]
+    tools = [t.model_dump() for t in body.tools] if body.tools else None
+    schema = body.response_format.schema_or_none() if body.response_format else None
+    check_grammars(schema, "response_format", tools, body.tool_choice_value())
     return {
         **sampling_payload(body, model, min(requested) if requested else None),
         "messages": [worker_message(m) for m in body.messages],
-        "tools": [t.model_dump() for t in body.tools] if body.tools else None,
+        "tools": tools,
         "tool_choice": body.tool_choice_value(),
-        "json_schema": body.response_format.schema_or_none() if body.response_format else None,
+        "json_schema": schema,
         "top_logprobs": (body.top_logprobs or 0) if body.logprobs else None,
         **dict(zip(("think", "thinking_budget"), body.thinking_request(), strict=True)),
     }

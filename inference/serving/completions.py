@@ -13,7 +13,7 @@ from django.conf import settings
 from django.http import HttpResponse, JsonResponse
 
 from inference.client import InferenceCall, InferenceClient
-from inference.errors import HypnosError
+from inference.errors import HypnosError, InvalidRequest
 from inference.protocol import CompletionRequest
 from inference.serving.chat import (
     check_prompt_chars,
@@ -33,12 +33,15 @@ from inference.serving.pool import pool
 def completion_payload(body: CompletionRequest) -> dict[str, Any]:
     model = find_model(body.model)
     prompt = body.prompt_text()
+    if not prompt:
+        raise InvalidRequest("prompt is empty: send the text to continue.", param="prompt")
     check_prompt_chars(len(prompt), "prompt")
     return {
         **sampling_payload(body, model, body.max_tokens),
         "messages": [],
         "raw_prompt": prompt,
         "top_logprobs": body.logprobs,
+        "prompt_param": "prompt",
     }
 
 

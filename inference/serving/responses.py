@@ -17,6 +17,7 @@ from inference.errors import HypnosError, InvalidRequest
 from inference.protocol import ResponsesRequest
 from inference.serving.chat import (
     capped_max_tokens,
+    check_grammars,
     check_prompt_chars,
     collect,
     find_model,
@@ -76,6 +77,7 @@ def responses_payload(body: ResponsesRequest) -> dict[str, Any]:
         choice = {"name": choice.get("name")}
     fmt = body.text.format if body.text and body.text.format else None
     schema = None if fmt is None or fmt.type == "text" else (fmt.schema_ or {})
+    check_grammars(schema, "text.format", tools, choice)
     return {
         "messages": messages,
         "max_tokens": capped_max_tokens(body.max_output_tokens, model),
@@ -84,6 +86,8 @@ def responses_payload(body: ResponsesRequest) -> dict[str, Any]:
         "tools": tools or None,
         "tool_choice": choice,
         "json_schema": schema,
+        "schema_param": "text.format",
+        "prompt_param": "input",
         **dict(zip(("think", "thinking_budget"), body.thinking_request(), strict=True)),
     }
 

@@ -346,7 +346,7 @@ async def metrics_view(request: HttpRequest) -> HttpResponse:
     the page only for an admin key: a scraper that wants them sends one (`authorization`)."""
     from django.conf import settings
 
-    from inference.errors import AuthenticationError, MethodNotAllowed
+    from hypnos_site.errors import AuthenticationError, MethodNotAllowed
     from models_registry.authentication import request_key_check
 
     if request.method not in ("GET", "HEAD"):

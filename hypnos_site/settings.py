@@ -151,7 +151,7 @@ REST_FRAMEWORK = {
     "DEFAULT_PARSER_CLASSES": ["inference.parsers.JSONParser"],
     "DEFAULT_AUTHENTICATION_CLASSES": ["models_registry.authentication.ApiKeyAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["models_registry.authentication.HasApiKeyWhenRequired"],
-    "EXCEPTION_HANDLER": "inference.errors.exception_handler",
+    "EXCEPTION_HANDLER": "hypnos_site.errors.exception_handler",
     "UNAUTHENTICATED_USER": None,
 }
 

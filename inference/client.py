@@ -29,7 +29,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from inference.errors import EngineTimeout, HypnosError, ModelNotAvailable, ServerError
+from hypnos_site.errors import EngineTimeout, HypnosError, ModelNotAvailable, ServerError
 
 log = logging.getLogger(__name__)
 

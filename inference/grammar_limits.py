@@ -32,7 +32,7 @@ from typing import Any
 
 from hypnos_site.config import LimitsConfig
 from inference.engines.tools import call_schema, forced_tools
-from inference.errors import InvalidRequest
+from hypnos_site.errors import InvalidRequest
 
 KNOWN_TYPES = {"string", "number", "integer", "boolean", "null", "object", "array"}
 COUNTS = ("minLength", "maxLength", "minItems", "maxItems")

@@ -21,7 +21,7 @@ from django.urls import Resolver404, resolve
 from rest_framework.utils.mediatypes import media_type_matches
 
 from inference import latency
-from inference.errors import InvalidRequest, PermissionDenied, UnsupportedMediaType
+from hypnos_site.errors import InvalidRequest, PermissionDenied, UnsupportedMediaType
 from inference.parsers import multipart_problem
 from inference.views import UnknownRouteView
 

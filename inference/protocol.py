@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from inference.errors import InvalidRequest
+from hypnos_site.errors import InvalidRequest
 from models_registry.advisor import Need
 
 

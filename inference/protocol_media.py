@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from inference.errors import InvalidRequest
+from hypnos_site.errors import InvalidRequest
 from inference.protocol import _Wire
 
 # What /v1/audio/speech answers in; compat.md: all really encoded, anything else is a 400.

@@ -31,7 +31,7 @@ from django.conf import settings
 from django.urls import path
 
 from inference.client import get_client
-from inference.errors import HypnosError
+from hypnos_site.errors import HypnosError
 from inference.protocol_media import TranscriptionRequest
 from inference.serving.context import RequestContext
 

@@ -12,7 +12,7 @@ from rest_framework.request import Request
 from hypnos_site import __version__
 from inference import latency
 from inference.client import get_client
-from inference.errors import InvalidRequest, NotFound
+from hypnos_site.errors import InvalidRequest, NotFound
 from inference.parsers import JSONParser, MultiPartParser
 from inference.protocol import (
     AdvisorRequest,
@@ -261,7 +261,7 @@ def handler404(request: HttpRequest, exception: Exception | None = None) -> Json
 
 
 def handler500(request: HttpRequest) -> JsonResponse:
-    from inference.errors import ServerError
+    from hypnos_site.errors import ServerError
 
     return ServerError("internal error").response()
 

@@ -24,7 +24,7 @@ from django.http.request import RawPostDataException
 from redis.exceptions import RedisError
 
 from hypnos_site.metrics import Observation, get_counters, observation
-from inference.errors import HypnosError, ModelNotAvailable, PermissionDenied, RateLimited
+from hypnos_site.errors import HypnosError, ModelNotAvailable, PermissionDenied, RateLimited
 from logs.capture import (
     CANCELLED,
     CapturedText,
@@ -213,7 +213,7 @@ class InferenceCallAccount:
     @property
     def model_id(self) -> str | None:
         """The pool's id the requested name stands for (an alias resolves), else the name."""
-        from inference.serving.pool import pool
+        from models_registry.live_pool import pool
 
         if not self.model_name:
             return None

@@ -10,7 +10,7 @@ from typing import Any
 from django.conf import settings
 from django.db.models import Q, QuerySet
 
-from inference.errors import InvalidRequest
+from hypnos_site.errors import InvalidRequest
 from logs.capture import INFERENCE_ROUTES, LEVELS
 from logs.models import RequestLogEntry
 from models_registry.shared_state import is_distributed, shared_redis, state_key

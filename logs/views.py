@@ -13,7 +13,7 @@ from django.db.models import QuerySet
 from django.http import JsonResponse
 from rest_framework.request import Request
 
-from inference.errors import InvalidRequest, NotFound
+from hypnos_site.errors import InvalidRequest, NotFound
 from logs.models import RequestLogEntry
 from logs.store import LogQuery, capacity, levels
 from models_registry.authentication import IsAdminKey, IsAdminKeyForChanges, is_admin

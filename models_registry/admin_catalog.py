@@ -12,9 +12,9 @@ from django.contrib import admin, messages
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 
-from inference.client import get_client
-from inference.errors import HypnosError
+from hypnos_site.errors import HypnosError
 from models_registry.catalog import catalog_path, describe, load_catalog
+from models_registry.live_pool import pool
 
 
 def catalog_view(request: HttpRequest) -> HttpResponse:
@@ -24,8 +24,6 @@ def catalog_view(request: HttpRequest) -> HttpResponse:
     context: dict[str, Any] = {**admin.site.each_context(request), "title": "Model catalog"}
     path = catalog_path(settings.HYPNOS)
     if path.exists():
-        from inference.serving.pool import pool
-
         live = settings.HYPNOS.model_copy(update={"models": pool.models()})
         context["catalog"] = describe(live, load_catalog(path))
         context["pool"] = pool.models()
@@ -33,14 +31,12 @@ def catalog_view(request: HttpRequest) -> HttpResponse:
 
 
 def _change_pool(request: HttpRequest) -> None:
-    from inference.serving import pool as pool_serving
-
     action, target = request.POST.get("action"), request.POST.get("target", "")
     try:
         if action == "add":
-            result = async_to_sync(pool_serving.add_model)(get_client(), {"catalog": target})
+            result = async_to_sync(pool.add_model)({"catalog": target})
         elif action == "remove":
-            result = async_to_sync(pool_serving.remove_model)(get_client(), target, 120)
+            result = async_to_sync(pool.remove_model)(target, 120)
         else:
             messages.error(request, f"Unknown action {action!r}.")
             return

@@ -18,6 +18,7 @@ from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 
+from models_registry.live_pool import pool
 from models_registry.models import ApiKey, hash_key, split_models
 
 MISSING = "Missing API key. Send it as `Authorization: Bearer <key>` (server.api_keys)."
@@ -50,8 +51,6 @@ class ApiPrincipal:
 
 def _model_names(name: str) -> set[str]:
     """`name` with the id and aliases of the pool's model it names, if any."""
-    from inference.serving.pool import pool
-
     return pool.names(name)
 
 

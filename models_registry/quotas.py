@@ -26,7 +26,7 @@ from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 
-from inference.errors import RateLimited
+from hypnos_site.errors import RateLimited
 from models_registry.authentication import ApiPrincipal
 from models_registry.shared_state import LoopRedis, is_distributed, shared_redis, state_key
 

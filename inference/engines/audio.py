@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import av
 import numpy as np
 
-from inference.errors import InvalidRequest
+from hypnos_site.errors import InvalidRequest
 
 #: Speech comes out at this rate whatever the voice's own (spec §10: mono, 24 kHz).
 OUTPUT_RATE = 24_000

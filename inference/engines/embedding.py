@@ -12,7 +12,7 @@ import llama_cpp
 import numpy as np
 
 from inference.engines.llama import LlamaEngine
-from inference.errors import Cancelled, ContextLengthExceeded
+from hypnos_site.errors import Cancelled, ContextLengthExceeded
 
 
 class LlamaEmbeddingEngine(LlamaEngine):

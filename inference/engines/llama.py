@@ -24,7 +24,7 @@ from inference.engines.text import StopMatcher
 from inference.engines.thinking import FORCED_CLOSE, OPEN, ThinkBlock
 from inference.engines.tools import call_schema, forced_tools, parse_tool_calls
 from inference.engines.vision import Projector
-from inference.errors import ContextLengthExceeded, InvalidRequest, ModelNotAvailable
+from hypnos_site.errors import ContextLengthExceeded, InvalidRequest, ModelNotAvailable
 from memory.gguf import read_gguf
 from memory.kv_park import ParkedSlot, ParkedState
 from memory.planner import Footprint, footprint_from_info

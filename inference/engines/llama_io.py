@@ -16,7 +16,7 @@ from hypnos_site.config import LimitsConfig
 from inference.engines.base import DeltaSink
 from inference.engines.thinking import ThinkBlock
 from inference.engines.tools import may_become_call
-from inference.errors import DeviceOutOfMemory, InvalidRequest
+from hypnos_site.errors import DeviceOutOfMemory, InvalidRequest
 from inference.grammar_limits import check_schema
 
 

@@ -29,7 +29,7 @@ import llama_cpp._internals as internals
 
 from inference.engines.base import ChatResult
 from inference.engines.text import StopMatcher
-from inference.errors import DeviceOutOfMemory, ServerError
+from hypnos_site.errors import DeviceOutOfMemory, ServerError
 from memory.kv_park import ParkedSlot
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import llama_cpp.mtmd_cpp as mtmd
 from llama_cpp._logger import llama_log_callback
 from PIL import Image, UnidentifiedImageError
 
-from inference.errors import ContextLengthExceeded, InvalidRequest, ModelNotAvailable, ServerError
+from hypnos_site.errors import ContextLengthExceeded, InvalidRequest, ModelNotAvailable, ServerError
 from inference.protocol import IMAGE_MARKER
 
 # Prompt positions holding image embeddings carry this id in the context's token list, so a

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.conf import settings
 
-from inference.errors import InvalidRequest, NotFound
+from hypnos_site.errors import InvalidRequest, NotFound
 from inference.protocol import AdvisorRequest
 from models_registry.advisor import NoLineup, recommend
 from models_registry.catalog import catalog_path, load_catalog

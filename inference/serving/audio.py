@@ -18,7 +18,7 @@ from django.conf import settings
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
 from inference.client import Event, InferenceCall, InferenceClient
-from inference.errors import HypnosError, InvalidRequest, ServerError
+from hypnos_site.errors import HypnosError, InvalidRequest, ServerError
 from inference.protocol import parse_body
 from inference.protocol_media import SpeechRequest, TranscriptionRequest
 from inference.serving.chat import check_prompt_chars, find_model, request_timed_out

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from hypnos_site.config import ENGINE_SAMPLING_DEFAULTS, ModelConfig
 from inference.client import Event, InferenceCall, InferenceClient
-from inference.errors import HypnosError, InvalidRequest, ServerError
+from hypnos_site.errors import HypnosError, InvalidRequest, ServerError
 from inference.grammar_limits import check_schema, check_tools
 from inference.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
 from inference.serving import image_input

@@ -13,7 +13,7 @@ from django.conf import settings
 from django.http import HttpResponse, JsonResponse
 
 from inference.client import InferenceCall, InferenceClient
-from inference.errors import HypnosError, InvalidRequest
+from hypnos_site.errors import HypnosError, InvalidRequest
 from inference.protocol import CompletionRequest
 from inference.serving.chat import (
     check_prompt_chars,

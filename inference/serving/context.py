@@ -8,7 +8,7 @@ from typing import Any
 from django.http import HttpRequest, HttpResponseBase
 
 from inference.client import Event, InferenceCall, InferenceClient
-from inference.errors import InvalidRequest
+from hypnos_site.errors import InvalidRequest
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from django.conf import settings
 from django.http import HttpResponse, JsonResponse
 
 from inference.client import InferenceCall, InferenceClient
-from inference.errors import HypnosError, ServerError
+from hypnos_site.errors import HypnosError, ServerError
 from inference.protocol_media import EmbeddingRequest
 from inference.serving.chat import check_prompt_chars, find_model, request_timed_out
 from inference.serving.context import RequestContext, with_wait_estimate

@@ -26,7 +26,7 @@ import httpx
 from PIL import Image, UnidentifiedImageError
 
 from hypnos_site.config import LimitsConfig
-from inference.errors import InvalidRequest
+from hypnos_site.errors import InvalidRequest
 
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 MAX_REDIRECTS = 5

@@ -7,7 +7,7 @@ from typing import Any
 from django.conf import settings
 
 from inference.client import InferenceClient
-from inference.errors import InvalidRequest, ModelNotAvailable, NotFound
+from hypnos_site.errors import InvalidRequest, ModelNotAvailable, NotFound
 from inference.serving.chat import last_stats
 from inference.serving.models import shown_path
 from inference.serving.pool import pool

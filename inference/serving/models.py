@@ -11,7 +11,7 @@ from django.conf import settings
 
 from hypnos_site.config import ModelConfig
 from inference.client import InferenceClient
-from inference.errors import NotFound
+from hypnos_site.errors import NotFound
 from inference.serving.pool import pool
 from models_registry.catalog import catalog_path, describe, disk_size, load_catalog
 

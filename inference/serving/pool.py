@@ -16,7 +16,7 @@ from django.conf import settings
 
 from hypnos_site.config import ModelConfig
 from inference.client import InferenceClient, InProcessTransport
-from inference.errors import InvalidRequest, ModelNotFound
+from hypnos_site.errors import InvalidRequest, ModelNotFound
 from models_registry import options as model_options
 from models_registry.catalog import Catalog, catalog_path, load_catalog
 from models_registry.pool import PoolCheckFailed, block_from_catalog, check_model, model_from_block

@@ -13,7 +13,7 @@ from django.conf import settings
 from django.http import HttpResponse, JsonResponse
 
 from inference.client import Event, InferenceCall, InferenceClient
-from inference.errors import HypnosError, InvalidRequest
+from hypnos_site.errors import HypnosError, InvalidRequest
 from inference.protocol import ResponsesRequest
 from inference.serving.chat import (
     capped_max_tokens,

@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 
 from inference.client import Event, InferenceCall, InferenceClient
-from inference.errors import InvalidRequest
+from hypnos_site.errors import InvalidRequest
 from inference.protocol import ChatCompletionRequest, InputAudioPart, TextPart
 from inference.protocol_media import TranscriptionRequest
 from inference.serving.audio import transcribe

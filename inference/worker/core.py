@@ -22,7 +22,7 @@ from typing import Any
 
 from hypnos_site.config import HypnosConfig, ModelConfig
 from inference.engines.base import ChatWork, Engine
-from inference.errors import (
+from hypnos_site.errors import (
     STILL_STAGING,
     Cancelled,
     DeadlineUnmeetable,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hypnos_site.config import ModelConfig
-from inference.errors import Cancelled, DeviceOutOfMemory, InvalidRequest
+from hypnos_site.errors import Cancelled, DeviceOutOfMemory, InvalidRequest
 
 if TYPE_CHECKING:
     from inference.engines.base import Engine

@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from hypnos_site.config import ModelConfig
-from inference.errors import InvalidRequest, ModelBusy
+from hypnos_site.errors import InvalidRequest, ModelBusy
 from memory.tiers import Placement
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from hypnos_site.config import HypnosConfig
 from inference.engines.base import Engine, LoadPhases, engine_class
-from inference.errors import (
+from hypnos_site.errors import (
     InsufficientMemory,
     ModelBusy,
     ModelNotAvailable,

@@ -24,7 +24,7 @@ from channels.testing import WebsocketCommunicator
 from django.core.files.uploadedfile import SimpleUploadedFile
 from PIL import Image
 
-from inference.errors import InvalidRequest
+from hypnos_site.errors import InvalidRequest
 from inference.realtime import RATE, websocket_urlpatterns
 from inference.worker import Worker
 from memory.gguf import read_gguf

@@ -15,7 +15,7 @@ import pytest
 
 from hypnos_site.config import HypnosConfig
 from inference.engines.llama import LlamaEngine
-from inference.errors import DeviceOutOfMemory
+from hypnos_site.errors import DeviceOutOfMemory
 from inference.worker import Worker
 from memory.device import process_memory_bytes
 from tests.conftest import PARIS_MESSAGES

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from inference.engines import audio
-from inference.errors import InvalidRequest
+from hypnos_site.errors import InvalidRequest
 from inference.serving.audio import srt, vtt
 
 TONE = (np.sin(np.arange(12_345) * 2 * np.pi * 440 / audio.OUTPUT_RATE) * 8000).astype(np.int16)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import json
 
-from inference.errors import AuthenticationError, HypnosError, ModelBusy, ModelNotAvailable, ModelNotFound
+from hypnos_site.errors import AuthenticationError, HypnosError, ModelBusy, ModelNotAvailable, ModelNotFound
 
 
 def test_an_error_crosses_the_transport_with_its_class():

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from PIL import Image
 
-from inference.errors import InvalidRequest
+from hypnos_site.errors import InvalidRequest
 from inference.serving.image_input import ImagePolicy, is_public, load_image
 
 MIB = 1 << 20

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference.errors import InvalidRequest
+from hypnos_site.errors import InvalidRequest
 from inference.protocol import ChatCompletionRequest, parse_body
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

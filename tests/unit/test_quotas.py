@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from inference.errors import RateLimited
+from hypnos_site.errors import RateLimited
 from models_registry.authentication import ApiPrincipal
 from models_registry.quotas import MemoryQuotas, Permit, secs_to_midnight, utc_day
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from inference.errors import InvalidRequest
+from hypnos_site.errors import InvalidRequest
 from logs.capture import (
     MAX_TEXT_CHARS,
     Redactor,

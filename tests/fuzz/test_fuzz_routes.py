@@ -240,28 +240,12 @@ def _no_boundary(case: Case) -> bool:
 # engineer removes an entry when its fix lands; the test warns about an entry whose shape was
 # sent and never showed the symptom.
 KNOWN_OPEN: dict[str, tuple[Callable[[Case], bool], Callable[[Outcome, str], bool]]] = {
-    # JSON nested deeper than Python's recursion limit: RecursionError out of json.loads (the
-    # Django stack raises it; a DRF view that reads the body turns it into a 500).
-    "deep_json_recursion": (
-        lambda case: _nesting(case.body) > 900,
-        lambda outcome, problem: problem == "status 500" or "RecursionError" in problem),
-    # multipart/form-data without a boundary (or an empty one): Django's MultiPartParserError
-    # becomes its HTML 400 page, outside the envelope.
-    "multipart_without_boundary_html_400": (
-        _no_boundary,
-        lambda outcome, problem: outcome.status == 400 and "text/html" in problem),
-    # A lone surrogate in a body that reaches the request log: SQLite cannot encode it, the call
-    # is missing from the log (logs.middleware logs "logging failed" with the UnicodeEncodeError).
-    "lone_surrogate_request_log": (
-        lambda case: fz.has_lone_surrogate(case.value),
-        lambda outcome, problem: problem.startswith(LOGGED) and "UnicodeEncodeError" in problem),
+    # Empty: the deep-JSON 500s, the multipart HTML 400s and the lone surrogates in the request
+    # log are fixed (issue 12). Add an entry only while a found failure's fix is under way.
 }
-# Generation exclusions: shapes never sent because they take the whole test process down.
-# - json_schema_bounds_crash_libllama: a JSON schema with minLength / maxLength / minItems /
-#   maxItems above 100 segfaults libllama's grammar sampler (strategies.crashes_the_grammar).
-GENERATION_EXCLUSIONS: dict[str, Callable[[Case], bool]] = {
-    "json_schema_bounds_crash_libllama": lambda case: fz.crashes_the_grammar(case.value),
-}
+# Generation exclusions: shapes never sent because they would take the whole test process down.
+# Empty: the schema bounds that crashed libllama are now refused with a 400 before it sees them.
+GENERATION_EXCLUSIONS: dict[str, Callable[[Case], bool]] = {}
 
 
 def violations(case: Case, outcome: Outcome) -> list[str]:

@@ -135,7 +135,12 @@ class TierManager:
                 self.entries[model_id].priority = priority
 
     def forget(self, model_id: str) -> None:
+        """Drop a model that left the pool; it must have been demoted first (its engine holds
+        no tier-1 bytes the ledger would lose)."""
         with self.lock:
+            entry = self.entries.get(model_id)
+            if entry is not None and entry.tier == MemoryTier.TIER1:
+                raise ValueError(f"{model_id} is in tier 1: demote it before forgetting it")
             self.entries.pop(model_id, None)
 
     def lease(self, model_id: str, request: bool = True) -> None:
@@ -154,14 +159,106 @@ class TierManager:
             if served:
                 entry.requests_served += 1
 
-    def commit(self, model_id: str, tier: MemoryTier, placement: Placement | None = None) -> None:
-        """Book a model in `tier` (before a load starts, so concurrent plans see the bytes)."""
+    # -- transitions: the only ways a model's tier changes ---------------------------------------
+    #
+    # A model enters tier 1 by `book_tier1` (before its load starts, so concurrent plans see the
+    # bytes) and leaves it only by `demote`: evictions, moves by hand, disabling, MoE offload
+    # changes, pool removals and failed loads all end there.
+
+    def book_tier1(self, model_id: str, placement: Placement) -> None:
+        """Book `placement` in tier 1 for the model about to load (or reload with a larger
+        context: a resident model takes its new placement)."""
+        with self.lock:
+            self._set_tier(self.entries[model_id], MemoryTier.TIER1, placement)
+
+    def book_tier2(self, model_id: str) -> None:
+        """Book the weights of a model on disk in tier 2 (warming); a resident model reaches
+        tier 2 by `demote` instead."""
         with self.lock:
             entry = self.entries[model_id]
-            entry.tier = tier
-            if placement is None:
-                placement = warm_placement(entry.footprint) if tier == MemoryTier.TIER2 else cold_placement(entry.footprint)
-            entry.placement = placement
+            if entry.tier == MemoryTier.TIER1:
+                raise ValueError(f"{model_id} is in tier 1: demote it to tier 2")
+            self._set_tier(entry, MemoryTier.TIER2, warm_placement(entry.footprint))
+
+    def demote(self, model_id: str, to_tier: MemoryTier) -> None:
+        """The one way out of tier 1 (and from tier 2 to disk): the model's bytes are booked
+        in `to_tier` once its engine has released them."""
+        if to_tier == MemoryTier.TIER1:
+            raise ValueError("demote goes to tier 2 or 3; book_tier1 promotes")
+        with self.lock:
+            entry = self.entries[model_id]
+            warm = to_tier == MemoryTier.TIER2
+            self._set_tier(entry, to_tier, warm_placement(entry.footprint) if warm else cold_placement(entry.footprint))
+
+    def load_failed(self, model_id: str, weights_warm: bool) -> None:
+        """A load booked by `book_tier1` failed: the model goes back to tier 2 when its engine
+        still holds the weights, else to disk (through `demote`)."""
+        self.demote(model_id, MemoryTier.TIER2 if weights_warm else MemoryTier.TIER3)
+
+    def warm_failed(self, model_id: str) -> None:
+        """Warming booked by `book_tier2` failed: the model is on disk only."""
+        self.demote(model_id, MemoryTier.TIER3)
+
+    def set_max_resident(self, count: int | None) -> None:
+        """Lemonade's max_loaded_models: at most `count` models in tier 1 (None: memory decides);
+        it applies from the next promotion."""
+        with self.lock:
+            self.max_resident = count
+
+    def lease_if_idle(self, model_id: str) -> bool:
+        """Lease the model for a move (not counted as a request) when nothing leases it; False
+        while it serves, so the caller can answer 429."""
+        with self.lock:
+            if self.entries[model_id].leases:
+                return False
+            self.lease(model_id, request=False)
+            return True
+
+    @staticmethod
+    def _set_tier(entry: ModelEntry, tier: MemoryTier, placement: Placement) -> None:
+        entry.tier = tier
+        entry.placement = placement
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def __contains__(self, model_id: object) -> bool:
+        """Whether the model is registered (its engine exists and its footprint is known)."""
+        with self.lock:
+            return model_id in self.entries
+
+    def placement(self, model_id: str) -> Placement:
+        """Where the model's bytes are booked now; on disk for a model not registered yet."""
+        with self.lock:
+            entry = self.entries.get(model_id)
+            return entry.placement if entry is not None else Placement.on_disk(0)
+
+    def tier(self, model_id: str) -> MemoryTier:
+        with self.lock:
+            entry = self.entries.get(model_id)
+            return entry.tier if entry is not None else MemoryTier.TIER3
+
+    def leases(self, model_id: str) -> int:
+        with self.lock:
+            entry = self.entries.get(model_id)
+            return entry.leases if entry is not None else 0
+
+    def reload_estimate_ms(self, model_id: str) -> float | None:
+        """The estimated load time into tier 1 from where the model is; None when it is there
+        or not registered."""
+        with self.lock:
+            entry = self.entries.get(model_id)
+            if entry is None or entry.tier == MemoryTier.TIER1:
+                return None
+            return entry.reload_estimate_ms(entry.tier)
+
+    def moe_offload(self, model_id: str) -> str:
+        with self.lock:
+            return self.entries[model_id].moe_offload
+
+    def evictions(self) -> list[dict[str, Any]]:
+        """The recent evictions, newest first (spec §14 recent_evictions)."""
+        with self.lock:
+            return list(self.recent_evictions)
 
     def note_load(self, model_id: str, from_tier: MemoryTier, ms: float) -> None:
         with self.lock:

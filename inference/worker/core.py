@@ -43,7 +43,7 @@ from inference.worker.tier_moves import TierMoves
 from memory.device import HardwareLimits, probe_device
 from memory.kv_park import KvParking
 from memory.manager import TierManager
-from memory.tiers import MemoryTier, Placement
+from memory.tiers import MemoryTier
 
 log = logging.getLogger(__name__)
 
@@ -265,16 +265,13 @@ class Worker(TierMoves, StatusReports):
         runtime = self.resolve(name, enabled_only=False)
         model_id = runtime.config.id
         with runtime.load_lock, self._placement_lock:
-            entry = self.tiers.entries.get(model_id)
-            if not enabled and entry is not None and entry.leases:
+            if not enabled and self.tiers.leases(model_id):
                 raise ModelBusy(f"The model {model_id!r} is serving requests; retry when it is idle.")
             if not enabled:
                 runtime.wait_engine_idle()
             runtime.enabled = enabled
-            if not enabled and runtime.engine is not None and entry is not None:
-                self.kv_parking.drop(model_id)
-                runtime.engine.cool()
-                self.tiers.commit(model_id, MemoryTier.TIER3)
+            if not enabled and runtime.engine is not None and model_id in self.tiers:
+                self._demote(model_id, runtime.engine, MemoryTier.TIER3, park=False)
         return runtime
 
     def submit(self, request: dict[str, Any], sink: Sink) -> None:
@@ -356,8 +353,7 @@ class Worker(TierMoves, StatusReports):
                 raise ModelNotAvailable(STILL_STAGING)
             elif op in ("enable", "disable"):
                 runtime = self.set_enabled(payload["model"], op == "enable")
-                placement = self.tiers.entries[runtime.config.id].placement if runtime.config.id in self.tiers.entries \
-                    else Placement.on_disk(0)
+                placement = self.tiers.placement(runtime.config.id)
                 result = {"model": runtime.config.id, "enabled": runtime.enabled, "placement": placement.as_dict()}
             elif op == "moe_offload":
                 result = self.set_moe_offload(payload["model"], payload["mode"])
@@ -369,7 +365,7 @@ class Worker(TierMoves, StatusReports):
                     raise ModelNotAvailable(STILL_STAGING)
                 result = change_pool(self, op, payload)
             elif op == "set_limits":
-                self.tiers.max_resident = payload.get("max_loaded_models")
+                self.tiers.set_max_resident(payload.get("max_loaded_models"))
                 result = {"max_loaded_models": self.tiers.max_resident}
             else:
                 if not self.ready:
@@ -410,12 +406,12 @@ class Worker(TierMoves, StatusReports):
         if lease is not None:
             lease.abandon()
 
-    def _demote(self, model_id: str, engine: Engine, to_tier: MemoryTier) -> None:
+    def _demote(self, model_id: str, engine: Engine, to_tier: MemoryTier, park: bool = True) -> None:
         """TierMoves._demote, once no abandoned request is still inside the engine."""
         runtime = self.models.get(model_id)
         if runtime is not None:
             runtime.wait_engine_idle()
-        super()._demote(model_id, engine, to_tier)
+        super()._demote(model_id, engine, to_tier, park)
 
     def _admit(self, runtime: ModelRuntime, deadline_ms: float | None) -> float | None:
         """Count the request in, or refuse it (429 queue full, 503 deadline unmeetable); the
@@ -454,9 +450,7 @@ class Worker(TierMoves, StatusReports):
         if ahead and runtime.service_ms is None:
             return None
         wait = ahead * (runtime.service_ms or 0.0) / slots
-        entry = self.tiers.entries.get(runtime.config.id)
-        if entry is not None and entry.tier != MemoryTier.TIER1:
-            wait += entry.reload_estimate_ms(entry.tier)
+        wait += self.tiers.reload_estimate_ms(runtime.config.id) or 0.0
         return round(wait, 1)
 
     def _run(self, runtime: ModelRuntime, request_id: str, work: ChatWork | MediaWork, cancel: threading.Event,
@@ -542,7 +536,7 @@ class Worker(TierMoves, StatusReports):
         inference_ms = (time.perf_counter() - started) * 1000
         telemetry: dict[str, Any] = {
             "previous_tier": str(switch.previous_tier),
-            "placement": self.tiers.entries[runtime.config.id].placement.as_dict(),
+            "placement": self.tiers.placement(runtime.config.id).as_dict(),
             "tier_switch_latency_ms": round(switch.phases.total_ms, 1) if switch.phases else 0.0,
             "inference_latency_ms": round(inference_ms, 1),
             "evicted_models": switch.evicted,

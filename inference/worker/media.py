@@ -53,7 +53,7 @@ def serve_media(worker: Worker, runtime: ModelRuntime, engine: Engine, work: Med
     """Bring the model to tier 1, run the op, and return the terminal `done` event with the
     spec's telemetry (§5); intermediate events (vectors, audio) go to `sink` as they come."""
     switch = worker._ensure_tier1(runtime, runtime.config.context_len)
-    placement = worker.tiers.entries[runtime.config.id].placement
+    placement = worker.tiers.placement(runtime.config.id)
     switch_ms = round(switch.phases.total_ms, 1) if switch.phases else 0.0
     sink({"kind": "started", "previous_tier": str(switch.previous_tier), "gpu_layers": placement.gpu_layers,
           "tier_switch_ms": switch_ms})

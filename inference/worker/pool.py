@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import InvalidRequest, ModelBusy
-from memory.tiers import Placement
+from memory.tiers import MemoryTier, Placement
 
 if TYPE_CHECKING:
     from inference.worker.core import ModelRuntime, Sink, Worker
@@ -143,10 +143,8 @@ class _draining:
         runtime, worker = self.runtime, self.worker
         model_id = runtime.config.id
         with runtime.load_lock, worker._placement_lock:
-            worker.kv_parking.drop(model_id)
             if runtime.engine is not None:
-                runtime.engine.unload()
-                runtime.engine.cool()
+                worker._demote(model_id, runtime.engine, MemoryTier.TIER3, park=False)
                 runtime.engine = None
 
     def _finish(self) -> None:
@@ -184,7 +182,7 @@ def _placement(worker: Worker, runtime: ModelRuntime) -> dict[str, Any]:
     try:
         with worker._placement_lock:
             worker._engine(runtime)
-        return worker.tiers.entries[runtime.config.id].placement.as_dict()
+        return worker.tiers.placement(runtime.config.id).as_dict()
     except Exception as exc:  # the model serves nothing until its files are right; say why
         runtime.problem = str(exc)
         return Placement.on_disk(0).as_dict()

@@ -9,7 +9,7 @@ from hypnos_site.config import HypnosConfig
 from memory.device import Device, process_memory_bytes
 from memory.kv_park import KvParking
 from memory.manager import TierManager
-from memory.tiers import MemoryTier, Placement
+from memory.tiers import MemoryTier
 
 if TYPE_CHECKING:
     from inference.worker.core import ModelRuntime
@@ -35,11 +35,10 @@ class StatusReports:
         """What the web process shows in /ready and /v1/models."""
         models = {}
         for model_id, runtime in self.models.items():
-            entry = self.tiers.entries.get(model_id)
             models[model_id] = {
-                "current_tier": str(entry.tier) if entry else str(MemoryTier.TIER3),
-                "placement": entry.placement.as_dict() if entry else Placement.on_disk(0).as_dict(),
-                "active_leases": entry.leases if entry else 0,
+                "current_tier": str(self.tiers.tier(model_id)),
+                "placement": self.tiers.placement(model_id).as_dict(),
+                "active_leases": self.tiers.leases(model_id),
                 "loads": runtime.loads,
                 "problem": runtime.problem,
                 "enabled": runtime.enabled,
@@ -71,7 +70,7 @@ class StatusReports:
                 "service_ms": round(runtime.service_ms, 1) if runtime.service_ms is not None else None,
                 "estimated_wait_ms": self.estimated_wait_ms(runtime),
             }
-            if model_id in self.tiers.entries:
+            if model_id in self.tiers:
                 row.update(self.tiers.model_status(model_id))
             else:
                 row.update({"current_tier": str(MemoryTier.TIER3), "priority": config.priority,
@@ -93,7 +92,7 @@ class StatusReports:
             "process_memory_cap_bytes": self.config.hardware.max_process_memory_bytes,
             "gpu": self.device.gpu_health(),
             "models": models,
-            "recent_evictions": list(self.tiers.recent_evictions),
+            "recent_evictions": self.tiers.evictions(),
             "kv_park": self.kv_parking.status(),
             **({"profile": self.config.server.profile.model_dump(exclude_none=True)}
                if self.config.server.profile else {}),

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hypnos_site.config import HypnosConfig
-from inference.engines.base import Engine, LoadPhases, engine_class
 from hypnos_site.errors import (
     InsufficientMemory,
     ModelBusy,
@@ -21,6 +20,7 @@ from hypnos_site.errors import (
     ProcessMemoryCap,
     UnprocessableEntity,
 )
+from inference.engines.base import Engine, LoadPhases, engine_class
 from memory.kv_park import KvParking
 from memory.manager import Eviction, NoRoom, TierManager
 from memory.planner import MOE_OFFLOAD_MODES
@@ -88,18 +88,17 @@ class TierMoves:
         with runtime.load_lock:
             engine = runtime.engine
             assert engine is not None
-            entry = self.tiers.entries[model_id]
             trained = engine.trained_context_len or context_len
             if engine.loaded and engine.context_len >= min(context_len, trained):
                 return TierSwitch(previous_tier=MemoryTier.TIER1)
             wanted = min(max(context_len, runtime.config.context_len), trained)
-            switch = TierSwitch(previous_tier=entry.tier)
+            switch = TierSwitch(previous_tier=self.tiers.tier(model_id))
             with self._placement_lock:
                 placement, evictions = self._plan(model_id, wanted)
                 for eviction in evictions:
                     self._apply_eviction(eviction, for_model=model_id)
                 switch.evicted = [e.model for e in evictions]
-                self.tiers.commit(model_id, MemoryTier.TIER1, placement)
+                self.tiers.book_tier1(model_id, placement)
             try:
                 engine.unload()
                 engine.cpu_expert_layers = placement.cpu_expert_layers
@@ -107,7 +106,8 @@ class TierMoves:
                 self._restore_parked(model_id, engine, switch.phases)
             except BaseException:
                 runtime.load_failures += 1
-                self.tiers.commit(model_id, MemoryTier.TIER2 if engine.warm_bytes else MemoryTier.TIER3)
+                with self._placement_lock:
+                    self.tiers.load_failed(model_id, weights_warm=bool(engine.warm_bytes))
                 raise
             runtime.loads += 1
             self.tiers.note_load(model_id, switch.previous_tier, switch.phases.total_ms)
@@ -125,9 +125,14 @@ class TierMoves:
         phases.kv_restore_ms = (time.perf_counter() - started) * 1000
         phases.total_ms += phases.kv_restore_ms
 
-    def _demote(self, model_id: str, engine: Engine, to_tier: MemoryTier) -> None:
-        """Take the model out of tier 1 (parking its conversation when KV parking is on)."""
-        if self.kv_parking.enabled and engine.loaded:
+    def _demote(self, model_id: str, engine: Engine, to_tier: MemoryTier, park: bool = True) -> None:
+        """The worker's one way out of tier 1 (evictions, moves, disabling, MoE offload changes,
+        pool removals): the engine releases the bytes, then the ledger books them in `to_tier`.
+        The conversation is parked first when KV parking is on and `park` (a model leaving
+        for good drops it instead)."""
+        if not park:
+            self.kv_parking.drop(model_id)
+        elif self.kv_parking.enabled and engine.loaded:
             state = engine.park()
             if state is not None:
                 self.kv_parking.park(model_id, state)
@@ -135,7 +140,7 @@ class TierMoves:
             engine.cool()
         else:
             engine.unload()
-        self.tiers.commit(model_id, to_tier)
+        self.tiers.demote(model_id, to_tier)
 
     def _plan(self, model_id: str, context_len: int) -> tuple[Placement, list[Eviction]]:
         try:
@@ -167,10 +172,9 @@ class TierMoves:
         model_id = runtime.config.id
         with self._placement_lock:
             engine = self._engine(runtime)
-            if self.tiers.entries[model_id].leases:
-                raise ModelBusy(f"The model {model_id!r} is serving requests; retry when it is idle.")
             # Held while moving, so that no other promotion picks this model as a victim.
-            self.tiers.lease(model_id, request=False)
+            if not self.tiers.lease_if_idle(model_id):
+                raise ModelBusy(f"The model {model_id!r} is serving requests; retry when it is idle.")
         try:
             if target == MemoryTier.TIER1:
                 self._ensure_tier1(runtime, context_len or runtime.config.context_len)
@@ -181,7 +185,7 @@ class TierMoves:
                     self._demote(model_id, engine, MemoryTier.TIER3)
         finally:
             self.tiers.release(model_id, served=False)
-        return self.tiers.entries[model_id].placement
+        return self.tiers.placement(model_id)
 
     def set_moe_offload(self, name: str, mode: str) -> dict[str, Any]:
         """POST /v1/models/{id}/moe-offload (spec §6): the mode of the model's next placement.
@@ -194,11 +198,9 @@ class TierMoves:
         model_id = runtime.config.id
         with self._placement_lock:
             engine = self._engine(runtime)
-            changed = self.tiers.entries[model_id].moe_offload != mode
+            changed = self.tiers.moe_offload(model_id) != mode
             self.tiers.set_moe_offload(model_id, mode)
-            busy = self.tiers.entries[model_id].leases > 0
-            if not busy:
-                self.tiers.lease(model_id, request=False)  # no request may load it meanwhile
+            busy = not self.tiers.lease_if_idle(model_id)  # an idle one: no request may load it meanwhile
         if not busy:
             try:
                 if changed and engine.loaded and engine.footprint().expert_bytes:
@@ -207,7 +209,7 @@ class TierMoves:
             finally:
                 self.tiers.release(model_id, served=False)
         return {"model": model_id, "moe_offload": mode, "applies": "next_load" if busy else "now",
-                "placement": self.tiers.entries[model_id].placement.as_dict()}
+                "placement": self.tiers.placement(model_id).as_dict()}
 
     def _empty_idle_slots(self, idle_secs: float) -> None:
         """server.kv_idle_timeout_secs: every few seconds, empty the KV of the slots of idle
@@ -215,11 +217,10 @@ class TierMoves:
         while not self._stopping.wait(min(max(idle_secs / 4, 0.2), 30.0)):
             for model_id, runtime in list(self.models.items()):
                 with self._placement_lock:
-                    entry = self.tiers.entries.get(model_id)
                     # No lease: no request can start meanwhile; no engine user: no abandoned one
-                    # (its lease already released) is still stopping.
-                    if (runtime.engine is not None and runtime.engine.loaded and entry is not None
-                            and not entry.leases and not runtime.engine_users):
+                    # (its lease already released) is still stopping. A loaded engine is registered.
+                    if (runtime.engine is not None and runtime.engine.loaded
+                            and not self.tiers.leases(model_id) and not runtime.engine_users):
                         dropped = runtime.engine.empty_idle_slots(idle_secs)
                         if dropped:
                             log.info("%s: emptied %d tokens of KV idle for %gs", model_id, dropped, idle_secs)
@@ -238,9 +239,10 @@ class TierMoves:
                     raise NO_ROOM_ERRORS[exc.reason](exc.message) from exc
                 for eviction in evictions:
                     self._apply_eviction(eviction, for_model=model_id)
-                self.tiers.commit(model_id, MemoryTier.TIER2)
+                self.tiers.book_tier2(model_id)
             try:
                 engine.warm()
             except BaseException:
-                self.tiers.commit(model_id, MemoryTier.TIER3)
+                with self._placement_lock:
+                    self.tiers.warm_failed(model_id)
                 raise

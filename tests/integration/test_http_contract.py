@@ -197,7 +197,7 @@ def with_engine(worker: Worker, engine: Engine) -> Worker:
     runtime = worker.models["smollm2-135m"]
     runtime.engine = engine
     worker.tiers.register("smollm2-135m", "normal", engine.footprint())
-    worker.tiers.commit("smollm2-135m", MemoryTier.TIER1, Placement(primary_tier=MemoryTier.TIER1))
+    worker.tiers.book_tier1("smollm2-135m", Placement(primary_tier=MemoryTier.TIER1))
     worker._staged.set()
     return worker
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hypnos_site.config import BASE_DIR, load_config
-from memory.device import DeviceCapabilities, Device, HardwareLimits, probe_device
+from memory.device import Device, DeviceCapabilities, HardwareLimits, probe_device
 from memory.gguf import GgufInfo, GgufTensor, read_gguf
 from memory.kv_park import KvParking, ParkedSlot, ParkedState
 from memory.manager import DecayingRate, NoRoom, TierManager
@@ -42,7 +42,7 @@ def manager(tier1: int = 200 * MB, tier2: int = 1000 * MB, clock: Clock | None =
 
 def resident(tm: TierManager, model: str, priority: str = "normal", fp: Footprint = FP) -> None:
     tm.register(model, priority, fp)
-    tm.commit(model, MemoryTier.TIER1, tm.plan_promotion(model, CTX).placement)
+    tm.book_tier1(model, tm.plan_promotion(model, CTX).placement)
 
 
 def test_a_model_that_fits_is_placed_whole():
@@ -117,7 +117,7 @@ def test_warming_evicts_the_cheapest_warm_model_to_disk():
     tm = manager(tier2=250 * MB)
     for name in ("a", "b"):
         tm.register(name, "normal", FP)
-        tm.commit(name, MemoryTier.TIER2)
+        tm.book_tier2(name)
     tm.register("c", "normal", FP)
     evictions = tm.plan_warm("c")
     assert [(e.model, e.to_tier) for e in evictions] == [("a", MemoryTier.TIER3)]
@@ -137,12 +137,93 @@ def test_the_status_counters_follow_the_ledger():
     tm = manager()
     resident(tm, "a")
     tm.register("b", "normal", FP)
-    tm.commit("b", MemoryTier.TIER2)
+    tm.book_tier2("b")
     counters = tm.tier1_counters()
     assert counters["used"] == 160 * MB and counters["free"] == 40 * MB and counters["effective_free"] == 40 * MB
     assert tm.tier2_used() == 120 * MB
     status = tm.model_status("b")
     assert status["current_tier"] == "tier2_pinned_ram" and status["reload_estimate_ms"] > 0
+
+
+def test_a_demotion_books_the_bytes_in_the_tier_it_goes_to():
+    tm = manager()
+    resident(tm, "a")
+    tm.demote("a", MemoryTier.TIER2)
+    assert tm.tier("a") == MemoryTier.TIER2 and tm.tier1_used() == 0 and tm.tier2_used() == 120 * MB
+    tm.demote("a", MemoryTier.TIER3)
+    assert tm.tier("a") == MemoryTier.TIER3 and tm.tier2_used() == 0
+    assert tm.placement("a").primary_tier == MemoryTier.TIER3
+
+
+def test_a_failed_load_leaves_tier_1_through_the_demotion():
+    tm = manager()
+    resident(tm, "warm")
+    resident(tm, "cold", fp=Footprint(layer_bytes=(1 * MB,) * 10, other_bytes=0, kv_bytes_per_token=0,
+                                      workspace_bytes=0))
+    tm.load_failed("warm", weights_warm=True)
+    tm.load_failed("cold", weights_warm=False)
+    assert (tm.tier("warm"), tm.tier("cold")) == (MemoryTier.TIER2, MemoryTier.TIER3)
+    assert tm.tier1_used() == 0
+
+
+def test_warming_never_takes_a_model_out_of_tier_1():
+    tm = manager()
+    resident(tm, "a")
+    with pytest.raises(ValueError, match="demote"):
+        tm.book_tier2("a")
+    with pytest.raises(ValueError, match="book_tier1"):
+        tm.demote("a", MemoryTier.TIER1)
+    assert tm.tier("a") == MemoryTier.TIER1
+
+
+def test_a_failed_warm_puts_the_model_back_on_disk():
+    tm = manager()
+    tm.register("a", "normal", FP)
+    tm.book_tier2("a")
+    tm.warm_failed("a")
+    assert tm.tier("a") == MemoryTier.TIER3 and tm.tier2_used() == 0
+
+
+def test_a_resident_model_cannot_be_forgotten_before_its_demotion():
+    tm = manager()
+    resident(tm, "a")
+    with pytest.raises(ValueError, match="demote"):
+        tm.forget("a")
+    tm.demote("a", MemoryTier.TIER3)
+    tm.forget("a")
+    assert "a" not in tm and tm.placement("a").primary_tier == MemoryTier.TIER3
+
+
+def test_a_move_lease_is_refused_while_the_model_serves():
+    tm = manager()
+    tm.register("a", "normal", FP)
+    tm.lease("a")
+    assert tm.lease_if_idle("a") is False and tm.leases("a") == 1
+    tm.release("a")
+    assert tm.lease_if_idle("a") is True and tm.leases("a") == 1
+    assert tm.model_status("a")["requests_per_minute"] > 0  # the request counted, the move did not
+    tm.release("a", served=False)
+    assert tm.model_status("a")["total_requests_served"] == 1
+
+
+def test_max_loaded_models_applies_from_the_next_promotion():
+    tm = manager(tier1=1000 * MB)
+    resident(tm, "a")
+    tm.register("b", "normal", FP)
+    assert tm.plan_promotion("b", CTX).evictions == []
+    tm.set_max_resident(1)
+    [eviction] = tm.plan_promotion("b", CTX).evictions
+    assert (eviction.model, eviction.reason) == ("a", "max_loaded_models")
+
+
+def test_the_reload_estimate_is_none_in_tier_1_and_counted_from_the_current_tier():
+    tm = manager()
+    resident(tm, "a")
+    assert tm.reload_estimate_ms("a") is None and tm.reload_estimate_ms("unknown") is None
+    tm.demote("a", MemoryTier.TIER2)
+    warm = tm.reload_estimate_ms("a")
+    tm.demote("a", MemoryTier.TIER3)
+    assert warm is not None and 0 < warm < (tm.reload_estimate_ms("a") or 0)
 
 
 def test_without_nvml_the_device_is_simulated():

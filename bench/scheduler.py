@@ -29,6 +29,7 @@ django.setup()
 
 from django.conf import settings  # noqa: E402
 
+from inference.wire import Done, EngineRequest, Error, GenerateWork  # noqa: E402
 from inference.worker import Worker  # noqa: E402
 from memory.tiers import MemoryTier  # noqa: E402
 
@@ -37,20 +38,22 @@ PROMPTS = ["Write a long story about a dragon.", "Write a long story about a kni
 
 
 def chat(worker: Worker, messages: list[dict], max_tokens: int) -> dict:
-    """One request through the worker's own admission and engines; its `done` event."""
+    """One request through the worker's own admission and engines; its `done` event's usage."""
     done = threading.Event()
-    final: dict = {}
+    final: list[Done | Error] = []
 
-    def sink(event: dict) -> None:
-        if event["kind"] in ("done", "error"):
-            final.update(event)
+    def sink(event: object) -> None:
+        if isinstance(event, (Done, Error)):
+            final.append(event)
             done.set()
 
-    payload = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
-    worker.submit({"request_id": f"bench-{time.monotonic_ns()}", "op": "chat", "model": MODEL, "payload": payload}, sink)
+    work = GenerateWork(messages=messages, max_tokens=max_tokens, temperature=0.0)
+    worker.submit(EngineRequest(request_id=f"bench-{time.monotonic_ns()}", model=MODEL, work=work), sink)
     done.wait()
-    assert final["kind"] == "done", final
-    return final
+    assert isinstance(final[0], Done) and final[0].usage is not None, final
+    usage = final[0].usage
+    return {"usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                      "cached_tokens": usage.cached_tokens}}
 
 
 def worker_with(slots: int, kv_park: bool) -> Worker:

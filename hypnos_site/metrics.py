@@ -31,7 +31,13 @@ from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse
 from django_prometheus import middleware as django_prometheus
 from prometheus_client import multiprocess
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from models_registry.shared_state import LoopRedis, is_distributed, shared_redis, state_key
@@ -47,15 +53,23 @@ Labels = tuple[tuple[str, str], ...]
 class Family:
     """A hypnos_* family counted by the web side: Prometheus type, help and label names."""
 
-    kind: str  # counter, gauge (a running maximum) or summary (a _sum and a _count)
+    kind: str  # counter, gauge (a running maximum), summary (a _sum and a _count) or histogram
     help: str
     labels: tuple[str, ...] = ()
+    # A histogram's upper bounds (+Inf is implied), so a dashboard computes p95 with
+    # histogram_quantile over the cumulative `le` buckets.
+    buckets: tuple[float, ...] = ()
+
+
+MS_BUCKETS = (5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0, 30000.0, 60000.0,
+              120000.0, 300000.0)
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
 
 WEB_FAMILIES: dict[str, Family] = {
     "hypnos_http_requests": Family("counter", "HTTP requests by route and status class.", ("route", "class")),
     "hypnos_http_request_latency_ms": Family(
-        "summary", "End-to-end time of HTTP requests (a stream: to its last byte), ms.", ("route",)),
+        "histogram", "End-to-end time of HTTP requests (a stream: to its last byte), ms.", ("route",), MS_BUCKETS),
     "hypnos_http_request_latency_ms_max": Family("gauge", "Longest HTTP request by route, ms.", ("route",)),
     "hypnos_api_key_requests": Family("counter", "Inference calls made with the key, refused ones included.",
                                       ("key",)),
@@ -64,10 +78,30 @@ WEB_FAMILIES: dict[str, Family] = {
     "hypnos_api_key_tokens": Family("counter", "Prompt plus completion tokens charged to the key.", ("key",)),
     "hypnos_scheduler_admissions_rejected": Family(
         "counter", "Inference calls the scheduler refused (429 model_busy, 503 deadline_unmeetable)."),
-    "hypnos_chat_ttft_ms": Family("summary", "Time to the first token of chat calls, ms.", ("model",)),
+    "hypnos_chat_ttft_ms": Family("histogram", "Time to the first token of chat calls, ms.", ("model",), MS_BUCKETS),
     "hypnos_chat_decode_tokens_per_s": Family("summary", "Decode speed of chat calls, tokens/s.", ("model",)),
     "hypnos_chat_prefill_tokens_per_s": Family("summary", "Prefill speed of chat calls, tokens/s.", ("model",)),
+    "hypnos_request_e2e_ms": Family(
+        "histogram", "Inference calls from arrival to the last byte of the response, ms.", ("route",), MS_BUCKETS),
+    "hypnos_workflow_e2e_ms": Family(
+        "histogram", "Calls that ran a pipeline (chat input_audio transcribed first), arrival to last byte, ms.",
+        ("route",), MS_BUCKETS),
+    "hypnos_prefix_cache_hits": Family("counter", "Text calls that reused cached prompt tokens.", ("model",)),
+    "hypnos_prefix_cache_misses": Family("counter", "Text calls that reused no cached prompt tokens.", ("model",)),
+    "hypnos_prefix_cache_tokens_reused": Family("counter", "Prompt tokens served from the prefix cache.", ("model",)),
+    "hypnos_tts_rtf": Family("histogram", "Speech synthesis time per second of audio.", ("model",), RTF_BUCKETS),
+    "hypnos_tts_ttfa_ms": Family("histogram", "Time to the first audio of speech calls, ms.", ("model",), MS_BUCKETS),
+    "hypnos_stt_rtf": Family("histogram", "Transcription time per second of audio.", ("model",), RTF_BUCKETS),
 }
+
+
+def histogram_fields(family: Family, value: float) -> list[str]:
+    """The fields one observation adds 1 to: every bucket its value falls in, and the count."""
+    return [_le(bound) for bound in family.buckets if value <= bound] + ["le:+Inf", "count"]
+
+
+def _le(bound: float) -> str:
+    return f"le:{bound:g}"
 
 
 @dataclass
@@ -109,6 +143,10 @@ class MemoryCounters(CounterStore):
                 kind = WEB_FAMILIES[obs.name].kind
                 if kind == "gauge":
                     fields["value"] = max(fields.get("value", obs.value), obs.value)
+                elif kind == "histogram":
+                    for name in histogram_fields(WEB_FAMILIES[obs.name], obs.value):
+                        fields[name] = fields.get(name, 0.0) + 1
+                    fields["sum"] = fields.get("sum", 0.0) + obs.value
                 elif kind == "summary":
                     fields["sum"] = fields.get("sum", 0.0) + obs.value
                     fields["count"] = fields.get("count", 0.0) + 1
@@ -150,6 +188,10 @@ class RedisCounters(CounterStore):
             kind = WEB_FAMILIES[obs.name].kind
             if kind == "gauge":
                 args += ["max", _field(obs.name, "value", obs.labels), obs.value]
+            elif kind == "histogram":
+                for name in histogram_fields(WEB_FAMILIES[obs.name], obs.value):
+                    args += ["add", _field(obs.name, name, obs.labels), 1]
+                args += ["add", _field(obs.name, "sum", obs.labels), obs.value]
             elif kind == "summary":
                 args += ["add", _field(obs.name, "count", obs.labels), 1]
                 args += ["add", _field(obs.name, "sum", obs.labels), obs.value]
@@ -197,12 +239,18 @@ def web_families(snapshot: dict[str, dict[Labels, dict[str, float]]], tokens_tod
             metric = CounterMetricFamily(name, family.help, labels=labels)
         elif family.kind == "summary":
             metric = SummaryMetricFamily(name, family.help, labels=labels)
+        elif family.kind == "histogram":
+            metric = HistogramMetricFamily(name, family.help, labels=labels)
         else:
             metric = GaugeMetricFamily(name, family.help, labels=labels)
         for key, fields in sorted(snapshot.get(name, {}).items()):
             values = [v for _, v in key]
             if family.kind == "summary":
                 metric.add_metric(values, count_value=fields.get("count", 0), sum_value=fields.get("sum", 0.0))
+            elif family.kind == "histogram":
+                buckets = [(f"{bound:g}", fields.get(_le(bound), 0.0)) for bound in family.buckets]
+                metric.add_metric(values, buckets=[*buckets, ("+Inf", fields.get("le:+Inf", 0.0))],
+                                  sum_value=fields.get("sum", 0.0))
             else:
                 metric.add_metric(values, fields.get("value", 0.0))
         families.append(metric)

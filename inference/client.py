@@ -13,7 +13,11 @@ Once the engine runs, a request that gets no event for `limits.request_timeout_s
 engine) ends with 504 `timeout` (spec §4: the engine-side timeout; the 408 of the timeout layer
 covers what happens before the response starts).
 
-Both pass the same plain-dict messages, so both deployments run the same worker code.
+Both carry the typed messages of inference/wire.py (the in-process transport as objects, the
+channel layer through wire's serialiser), so both deployments run the same worker code. The call
+is where the worker's events meet the HTTP request: `events()` turns an error event into its
+typed exception (the one place) and fills the request's CallRecord, `drain()` runs a call to its
+end, and `async with call` aborts it when the caller leaves early.
 """
 
 from __future__ import annotations
@@ -25,15 +29,36 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis.exceptions import RedisError
 
 from hypnos_site.errors import EngineTimeout, HypnosError, ModelNotAvailable, ServerError
+from inference.wire import (
+    TERMINAL,
+    Accepted,
+    AudioChunk,
+    ControlOp,
+    ControlRequest,
+    Delta,
+    Done,
+    EngineRequest,
+    Error,
+    Heartbeat,
+    Queued,
+    Reasoning,
+    Result,
+    Started,
+    VectorChunk,
+    decode_event,
+    encode_request,
+)
+from logs.record import CallRecord
 
 log = logging.getLogger(__name__)
 
-Event = dict[str, Any]
+Event = Any  # one of inference.wire's event types
 REQUEST_CHANNEL = "hypnos.inference"
 # A status is answered at once; this bounds a worker that accepted it and then stalled.
 STATUS_TIMEOUT_SECS = 10.0
@@ -62,6 +87,8 @@ class InferenceCall(ABC):
         self.estimated_wait_ms: float | None = None
         # Once the engine runs: the longest wait for its next event before a 504 (None: no bound).
         self.stall_timeout: float | None = None
+        # The HTTP request's record, filled as the events go by (None: nobody accounts for it).
+        self.record: CallRecord | None = None
 
     @abstractmethod
     async def next_event(self) -> Event: ...
@@ -70,30 +97,101 @@ class InferenceCall(ABC):
     async def abort(self) -> None: ...
 
     async def events(self) -> AsyncIterator[Event]:
-        """Every event until the terminal `done` or `error` (included). An engine silent for
-        `stall_timeout` is stopped and raises EngineTimeout (504)."""
-        while not self.finished:
-            try:
-                event = await asyncio.wait_for(self.next_event(), self.stall_timeout)
-            except TimeoutError:
-                await self.abort()
-                raise EngineTimeout(STALLED.format(secs=self.stall_timeout)) from None
-            if event["kind"] in ("done", "error", "result"):
-                self.finished = True
-            yield event
+        """Every event until the terminal Done (included), noted in the call's record. An Error
+        event raises its typed exception; an engine silent for `stall_timeout` is stopped and
+        raises EngineTimeout (504)."""
+        record = self.record
+        try:
+            while not self.finished:
+                try:
+                    event = await asyncio.wait_for(self.next_event(), self.stall_timeout)
+                except TimeoutError:
+                    await self.abort()
+                    raise EngineTimeout(STALLED.format(secs=self.stall_timeout)) from None
+                if isinstance(event, TERMINAL):
+                    self.finished = True
+                    if isinstance(event, Error):
+                        raise event.exception()
+                if record is not None:
+                    _note(record, event)
+                yield event
+        except HypnosError as exc:
+            if record is not None:
+                record.note_error(exc.message, exc.type)
+            raise
+
+    async def drain(self) -> Drained:
+        """Run the call to its end: its text, thoughts, logprobs, vectors, audio and Done."""
+        text: list[str] = []
+        drained = Drained(Done())
+        async with self:
+            async for event in self.events():
+                if isinstance(event, Delta):
+                    text.append(event.text)
+                    if event.logprobs:
+                        drained.logprobs += event.logprobs
+                elif isinstance(event, Reasoning):
+                    drained.reasoning += event.text
+                elif isinstance(event, VectorChunk):
+                    drained.vectors += event.data
+                elif isinstance(event, AudioChunk):
+                    drained.audio.append(event.data)
+                elif isinstance(event, Done):
+                    drained.done, drained.text = event, "".join(text)
+                    return drained
+        raise ServerError("the inference worker ended the request without a result")
+
+    async def close(self) -> None:
+        """Abort the call unless it ended; runs to its end even when the caller is cancelled."""
+        if not self.finished:
+            await asyncio.shield(self.abort())
+
+    async def __aenter__(self) -> InferenceCall:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+@dataclass
+class Drained:
+    """A call run to its end (InferenceCall.drain)."""
+
+    done: Done
+    text: str = ""
+    reasoning: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    vectors: list[bytes] = field(default_factory=list)
+    audio: list[bytes] = field(default_factory=list)
+
+
+def _note(record: CallRecord, event: Event) -> None:
+    if isinstance(event, Delta):
+        record.deltas += 1
+        record.output.add(event.text)
+    elif isinstance(event, Reasoning):
+        record.deltas += 1
+    elif isinstance(event, Done):
+        if event.usage is not None:
+            record.note_usage(event.usage.prompt_tokens, event.usage.completion_tokens, event.usage.cached_tokens)
+        elif event.result and isinstance(event.result.get("prompt_tokens"), int):
+            record.note_usage(event.result["prompt_tokens"], 0, 0)
+        if event.result and isinstance(event.result.get("text"), str):
+            record.output.add(event.result["text"])
+        record.finish_reason = event.finish_reason
+        record.note_telemetry(event.telemetry)
 
 
 class Transport(ABC):
     @abstractmethod
-    async def submit(self, request: dict[str, Any]) -> InferenceCall: ...
+    async def submit(self, request: EngineRequest | ControlRequest) -> InferenceCall: ...
 
 
 class InferenceClient:
     def __init__(self, transport: Transport):
         self.transport = transport
 
-    async def start(self, op: str, model: str, payload: dict[str, Any], request_id: str | None = None,
-                    deadline_ms: float | None = None, next_model: str | None = None) -> tuple[InferenceCall, Event]:
+    async def start(self, request: EngineRequest, record: CallRecord | None = None) -> tuple[InferenceCall, Started]:
         """Submit a request and wait until the worker has started it (model loaded, engine
         running). Raises the typed error when the worker refuses it, so that every 4xx/5xx
         is known before a streaming response sends its first byte."""
@@ -102,27 +200,30 @@ class InferenceClient:
             _no_worker_seen.set(None)
             if time.monotonic() - missing[1] < NO_WORKER_MEMO_SECS:
                 raise ModelNotAvailable(missing[0])
-        request = {"request_id": request_id or "req-" + uuid.uuid4().hex, "op": op, "model": model,
-                   "payload": payload, "deadline_ms": deadline_ms, "next_model": next_model}
         call = await self.transport.submit(request)
         try:
             event = await call.next_event()
-            if event["kind"] == "queued":
-                call.estimated_wait_ms = event.get("estimated_wait_ms")
+            if isinstance(event, Queued):
+                call.estimated_wait_ms = event.estimated_wait_ms
                 event = await call.next_event()
         except BaseException:
             await call.abort()
             raise
-        if event["kind"] == "error":
+        if not isinstance(event, Started):
             call.finished = True
-            raise HypnosError.from_event(event)
+            error = event.exception() if isinstance(event, Error) else ServerError(
+                f"the inference worker answered {event.kind!r} before starting the request")
+            if record is not None:
+                record.note_error(error.message, error.type)
+            raise error
         call.stall_timeout = request_timeout_secs()
+        call.record = record
         return call, event
 
-    async def control(self, op: str, payload: dict[str, Any] | None = None) -> Any:
+    async def control(self, op: ControlOp, args: dict[str, Any] | None = None) -> Any:
         """A control operation of the worker (status, memory_status, move): its one result.
         One that takes longer than limits.request_timeout_secs (a load that hangs) is a 504."""
-        call = await self.transport.submit({"request_id": "req-" + uuid.uuid4().hex, "op": op, "payload": payload})
+        call = await self.transport.submit(ControlRequest(request_id=new_request_id(), op=op, args=args or {}))
         timeout = request_timeout_secs()
         try:
             event = await asyncio.wait_for(call.next_event(), timeout)
@@ -131,9 +232,11 @@ class InferenceClient:
                 f"The worker's {op} took longer than limits.request_timeout_secs ({timeout:g} s).") from None
         finally:
             call.finished = True
-        if event["kind"] == "error":
-            raise HypnosError.from_event(event)
-        return event["result"]
+        if isinstance(event, Error):
+            raise event.exception()
+        if not isinstance(event, Result):
+            raise ServerError(f"the inference worker answered {op} with {event.kind!r}")
+        return event.result
 
     async def status(self) -> dict[str, Any] | None:
         """The worker's status, or None when no worker answers (then a request made next in the
@@ -144,6 +247,10 @@ class InferenceClient:
             message = exc.message if isinstance(exc, ModelNotAvailable) else NO_WORKER.format(secs=STATUS_TIMEOUT_SECS)
             _no_worker_seen.set((message, time.monotonic()))
             return None
+
+
+def new_request_id() -> str:
+    return "req-" + uuid.uuid4().hex
 
 
 def request_timeout_secs() -> float | None:
@@ -168,20 +275,20 @@ class InProcessTransport(Transport):
     def __init__(self, worker: Any):
         self.worker = worker
 
-    async def submit(self, request: dict[str, Any]) -> InferenceCall:
+    async def submit(self, request: EngineRequest | ControlRequest) -> InferenceCall:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
+        request_id = request.request_id
 
         def sink(event: Event) -> None:
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, event)
             except RuntimeError:  # the caller's event loop is gone: nobody reads this any more
-                self.worker.abort(request["request_id"])
+                self.worker.abort(request_id)
 
-        call = _InProcessCall(request["request_id"], queue, self.worker)
+        call = _InProcessCall(request_id, queue, self.worker)
         self.worker.submit(request, sink)
         return call
-
 
 
 class _InProcessCall(_QueueCall):
@@ -198,17 +305,18 @@ class ChannelLayerTransport(Transport):
         self.layer = layer
         self.ack_timeout = ack_timeout_secs
 
-    async def submit(self, request: dict[str, Any]) -> InferenceCall:
+    async def submit(self, request: EngineRequest | ControlRequest) -> InferenceCall:
         reply = await _guarded(self.layer.new_channel("hypnos.reply."))
         message = {
             "type": "inference.request",
             "reply_channel": reply,
             # A worker that picks this up after the web gave up drops it instead of running it.
             "ack_deadline": time.time() + self.ack_timeout,
-            **request,
+            "request_id": request.request_id,
+            "request": encode_request(request),
         }
         await _guarded(self.layer.send(REQUEST_CHANNEL, message))
-        return _ChannelCall(request["request_id"], self.layer, reply, self.ack_timeout)
+        return _ChannelCall(request.request_id, self.layer, reply, self.ack_timeout)
 
 
 class _ChannelCall(InferenceCall):
@@ -234,11 +342,11 @@ class _ChannelCall(InferenceCall):
                     f"reply {self.expected_seq} from the inference worker was lost (got {message.get('seq')})"
                 )
             self.expected_seq += 1
-            event = message["event"]
-            if event["kind"] == "accepted":
-                self.worker_channel = event["worker_channel"]
+            event = decode_event(message["event"])
+            if isinstance(event, Accepted):
+                self.worker_channel = event.worker_channel
                 continue
-            if event["kind"] == "heartbeat":
+            if isinstance(event, Heartbeat):
                 continue
             return event
 

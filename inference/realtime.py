@@ -31,9 +31,10 @@ from django.conf import settings
 from django.urls import path
 
 from inference.client import get_client
-from hypnos_site.errors import HypnosError
+from hypnos_site.errors import HypnosError, ServerError
 from inference.protocol_media import TranscriptionRequest
 from inference.serving.context import RequestContext
+from inference.serving.render import ws_error
 
 log = logging.getLogger(__name__)
 RATE = 24_000  # pcm16 in the Realtime API is 24 kHz mono
@@ -325,24 +326,20 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                                                prompt=options.get("prompt") or None)
                 ctx = RequestContext("req-" + uuid.uuid4().hex)
                 _call, done = await transcribe(get_client(), request, wav_bytes(audio), ctx)
-            except HypnosError as exc:
-                await self.send_event("conversation.item.input_audio_transcription.failed", item_id=item_id,
-                                      content_index=0, error={"type": exc.type, "code": exc.code or exc.type,
-                                                              "message": exc.message, "param": exc.param})
-                continue
             except Exception as exc:  # a turn must not end the session
-                log.exception("realtime transcription failed")
+                if not isinstance(exc, HypnosError):
+                    log.exception("realtime transcription failed")
+                    exc = ServerError(f"{type(exc).__name__}: {exc}")
                 await self.send_event("conversation.item.input_audio_transcription.failed", item_id=item_id,
-                                      content_index=0, error={"type": "server_error", "code": "server_error",
-                                                              "message": f"{type(exc).__name__}: {exc}", "param": None})
+                                      content_index=0, error=ws_error(exc))
                 continue
-            result = done["result"]
+            result = done.result or {}
             for segment in result["segments"]:
                 await self.send_event("conversation.item.input_audio_transcription.delta", item_id=item_id,
                                       content_index=0, delta=segment["text"])
             await self.send_event("conversation.item.input_audio_transcription.completed", item_id=item_id,
                                   content_index=0, transcript=result["text"],
-                                  hypnos_telemetry=done["telemetry"])
+                                  hypnos_telemetry=done.telemetry)
 
 
 websocket_urlpatterns = [

@@ -1,6 +1,12 @@
 """Accounting of every inference call: the key's limits before the view, then, when the last
 byte of the response is out, the token charge, the hypnos_* counters and the request log entry.
 
+Usage, telemetry, finish reason and output come from the call's structured record
+(logs.record.CallRecord, `request.hypnos_call`), which the serving code fills from the worker's
+typed events; the response bytes are never parsed for them (an error response's envelope is
+read for its message when the serving code did not note one, and at the trace level the text of
+the payload is kept as it goes by).
+
 It runs as Django middleware (outside DRF), so a 429 or 403 it answers never reaches the view,
 and a streaming body is watched as it goes: the concurrency permit is given back and the stream
 charged when the stream ends, however it ends. A call that gets a response was accounted for
@@ -29,7 +35,6 @@ from logs.capture import (
     CANCELLED,
     CapturedText,
     Redactor,
-    ResponseReading,
     entry_level,
     inference_route,
     input_text,
@@ -37,12 +42,18 @@ from logs.capture import (
     json_body,
     level_rank,
 )
+from logs.record import CallRecord
 from logs.store import levels, store_entry
 from models_registry.authentication import ApiPrincipal, request_key_check
 from models_registry.quotas import STREAM_LEASE_SECS, Permit, get_quotas
 
 log = logging.getLogger(__name__)
+# A JSON answer's bytes kept for the trace level's response_payload (CapturedText caps the text).
+MAX_PAYLOAD_BYTES = 1 << 17
 SCHEDULER_REFUSALS = ("model_busy", "deadline_unmeetable")
+# The chat families, each from the engine timing of the same name.
+CHAT_TIMINGS = (("hypnos_chat_ttft_ms", "ttft_ms"), ("hypnos_chat_decode_tokens_per_s", "decode_tokens_per_s"),
+                ("hypnos_chat_prefill_tokens_per_s", "prefill_tokens_per_s"))
 DISCONNECTED = "the client disconnected before the response was complete"
 
 
@@ -70,7 +81,8 @@ class InferenceAccountingMiddleware:
             raise
         if isinstance(response, StreamingHttpResponse):
             if response.is_async:
-                response.streaming_content = call.watch(response.streaming_content, response.status_code)
+                keep_text = response.get("Content-Type", "").startswith("text/")
+                response.streaming_content = call.watch(response.streaming_content, response.status_code, keep_text)
                 return response
         else:
             call.read_body(response)
@@ -98,7 +110,10 @@ class InferenceCallAccount:
         self.principal: ApiPrincipal | None = None
         self.permit: Permit | None = None
         self.refused_by_key = False
-        self.reading = ResponseReading()
+        self.record = CallRecord()
+        request.hypnos_call = self.record  # type: ignore[attr-defined]
+        # The response's text at the trace level (never parsed), and a stream's content type.
+        self.payload = CapturedText()
         self.finished = False
         self.cancelled = False
 
@@ -126,23 +141,35 @@ class InferenceCallAccount:
         return None
 
     def refuse(self, error: HypnosError) -> HttpResponseBase:
+        self.record.note_error(error.message, error.type)
         response = error.response()
-        self.reading.read_json(response.content)
+        self.payload.add(response.content.decode())
         return response
 
     def read_body(self, response: HttpResponseBase) -> None:
+        """An error response's message when the serving code noted none (the DRF handler
+        rendered it), and the payload's text for the trace level."""
         content = getattr(response, "content", b"")
-        if response.get("Content-Type", "").startswith("application/json"):
-            self.reading.read_json(content)
-        elif response.status_code >= 400 and self.reading.error is None:
-            self.reading.error = content[:500].decode("utf-8", errors="replace").strip()
+        is_text = response.get("Content-Type", "").startswith(("application/json", "text/"))
+        if is_text:
+            self.payload.add(content[:MAX_PAYLOAD_BYTES].decode("utf-8", errors="replace"))
+        if response.status_code < 400 or self.record.error is not None:
+            return
+        envelope = json_body(content) if response.get("Content-Type", "").startswith("application/json") else None
+        error = envelope.get("error") if isinstance(envelope, dict) else None
+        if isinstance(error, dict):
+            self.record.note_error(str(error.get("message") or error.get("type") or "error"), error.get("type"))
+        else:
+            self.record.note_error(content[:500].decode("utf-8", errors="replace").strip(), None)
 
-    async def watch(self, content: AsyncIterator[bytes], status: int) -> AsyncIterator[bytes]:
-        """The streaming body, unchanged, read on its way out; accounted when it ends."""
+    async def watch(self, content: AsyncIterator[bytes], status: int, keep_text: bool) -> AsyncIterator[bytes]:
+        """The streaming body, unchanged; accounted when it ends. An event stream's text is
+        kept for the trace level (audio is not)."""
         ended = False
         try:
             async for chunk in content:
-                self.reading.feed_sse(chunk)
+                if keep_text and not self.payload.truncated:
+                    self.payload.add(chunk.decode("utf-8", errors="replace") if isinstance(chunk, bytes) else chunk)
                 if self.permit is not None and self.permit.due_for_renewal():
                     await self._renew()
                 yield chunk
@@ -165,11 +192,11 @@ class InferenceCallAccount:
         if self.finished:
             return
         self.finished = True
-        if problem and self.reading.error is None:
-            self.reading.error = problem
+        if problem:
+            self.record.note_error(problem, None)
         self.cancelled = problem == DISCONNECTED
         duration_ms = (time.perf_counter() - self.started) * 1000
-        tokens = self.reading.charged_tokens()
+        tokens = self.record.charged_tokens()
         steps: list[tuple[str, Callable[[], Awaitable[None]]]] = [
             ("charging tokens", lambda: self._charge(tokens)),
             ("releasing the permit", self._release),
@@ -192,6 +219,8 @@ class InferenceCallAccount:
 
     def observations(self, status: int, duration_ms: float, tokens: int) -> list[Observation]:
         found = _http_observations(self.route, status, duration_ms)
+        found.append(observation("hypnos_request_e2e_ms", duration_ms, route=self.route))
+        found += record_observations(self.record, self.route, duration_ms, ok=status < 400 and not self.cancelled)
         if self.principal is not None:
             key = self.principal.label
             found.append(observation("hypnos_api_key_requests", 1, key=key))
@@ -199,62 +228,81 @@ class InferenceCallAccount:
                 found.append(observation("hypnos_api_key_rejections", 1, key=key))
             if tokens:
                 found.append(observation("hypnos_api_key_tokens", tokens, key=key))
-        if self.reading.error_type in SCHEDULER_REFUSALS:
+        if self.record.error_type in SCHEDULER_REFUSALS:
             found.append(observation("hypnos_scheduler_admissions_rejected", 1))
-        engine = self.reading.engine()
-        if self.route == "/v1/chat/completions" and self.model_id:
-            for name, field in [("hypnos_chat_ttft_ms", "ttft_ms"),
-                                ("hypnos_chat_decode_tokens_per_s", "decode_tokens_per_s"),
-                                ("hypnos_chat_prefill_tokens_per_s", "prefill_tokens_per_s")]:
-                if isinstance(engine.get(field), (int, float)):
-                    found.append(observation(name, engine[field], model=self.model_id))
         return found
 
     @property
     def model_id(self) -> str | None:
-        """The pool's id the requested name stands for (an alias resolves), else the name."""
-        from models_registry.live_pool import pool
-
-        if not self.model_name:
-            return None
-        return next((m.id for m in pool.models() if self.model_name in (m.id, *m.aliases)), self.model_name)
+        """The pool's id the serving code resolved; before it did (a refusal of the key) the
+        requested name as sent."""
+        return self.record.model or self.model_name
 
     async def _log(self, status: int, duration_ms: float) -> None:
         threshold = await levels.get()
-        level = entry_level(status, self.reading.error, self.cancelled)
+        level = entry_level(status, self.record.error, self.cancelled)
         if is_kept(level, threshold):
             await sync_to_async(store_entry)(self.entry_fields(status, duration_ms, level, threshold))
 
     def entry_fields(self, status: int, duration_ms: float, level: str, threshold: str) -> dict[str, Any]:
         """The columns of this call's RequestLogEntry; text only as far as `threshold` captures."""
-        reading = self.reading
-        tokens_in, tokens_out, cached = reading.tokens()
+        record = self.record
+        tokens_in, tokens_out, cached = record.tokens_in, record.tokens_out, record.cached_tokens
         if self.cancelled and self.stream and tokens_out is None:
-            # Cut before its usage chunk: what it generated is what it delivered.
-            tokens_out = reading.deltas
-        telemetry = reading.telemetry or {}
+            # Cut before its end: what it generated is what it delivered.
+            tokens_out = record.deltas
+        telemetry = record.telemetry or {}
         fields: dict[str, Any] = {
             "request_id": self.request_id, "route": self.route, "method": self.request.method or "POST",
             "status": status, "key_label": self.principal.label if self.principal else None,
             "started_at": self.started_at, "duration_ms": round(duration_ms, 1), "model": self.model_id or "",
             "stream": self.stream, "tokens_in": tokens_in, "tokens_out": tokens_out, "cached_tokens": cached,
-            "tokens_per_s": reading.tokens_per_s(), "inference_ms": telemetry.get("inference_latency_ms"),
+            "tokens_per_s": record.tokens_per_s(), "inference_ms": telemetry.get("inference_latency_ms"),
             "tier_switch_ms": telemetry.get("tier_switch_latency_ms"),
-            "previous_tier": telemetry.get("previous_tier") or "", "error": reading.error or "", "level": level,
-            "finish_reason": CANCELLED if self.cancelled else reading.finish_reason or "",
+            "previous_tier": telemetry.get("previous_tier") or "", "error": record.error or "", "level": level,
+            "finish_reason": CANCELLED if self.cancelled else record.finish_reason or "",
         }
         truncated = False
         if level_rank(threshold) >= level_rank("debug"):
             redact = Redactor(settings.HYPNOS.server.request_log_redact)
-            texts = {"input": _captured(input_text(self.body)), "output": reading.output}
+            texts = {"input": _captured(input_text(self.body)), "output": record.output}
             if level_rank(threshold) >= level_rank("trace"):
                 texts["request_payload"] = _captured(self.raw_body)
-                texts["response_payload"] = reading.payload
+                texts["response_payload"] = self.payload
             for name, text in texts.items():
                 fields[name] = redact(text.text())
                 truncated = truncated or text.truncated
         fields["truncated"] = truncated
         return fields
+
+
+def record_observations(record: CallRecord, route: str, duration_ms: float, ok: bool) -> list[Observation]:
+    """The families a call's record feeds (spec §16): chat speed and prefix-cache reuse, speech
+    and transcription real-time factors, time to first audio, and a pipeline's whole time."""
+    model = record.model
+    if model is None or not ok:
+        return []
+    engine = record.engine()
+    found: list[Observation] = []
+    if record.work == "chat":
+        if route == "/v1/chat/completions":
+            found += [observation(name, engine[field], model=model) for name, field in CHAT_TIMINGS
+                      if isinstance(engine.get(field), (int, float))]
+        if record.tokens_in is not None:
+            reused = record.cached_tokens or 0
+            found.append(observation("hypnos_prefix_cache_hits" if reused else "hypnos_prefix_cache_misses", 1,
+                                     model=model))
+            found.append(observation("hypnos_prefix_cache_tokens_reused", reused, model=model))
+    elif record.work == "speech":
+        if record.rtf is not None:
+            found.append(observation("hypnos_tts_rtf", record.rtf, model=model))
+        if record.ttfa_ms is not None:
+            found.append(observation("hypnos_tts_ttfa_ms", record.ttfa_ms, model=model))
+    elif record.work == "transcribe" and record.rtf is not None:
+        found.append(observation("hypnos_stt_rtf", record.rtf, model=model))
+    if record.stages:
+        found.append(observation("hypnos_workflow_e2e_ms", duration_ms, route=route))
+    return found
 
 
 def _captured(text: str | None) -> CapturedText:

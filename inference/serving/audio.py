@@ -17,13 +17,13 @@ from typing import Any
 from django.conf import settings
 from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 
-from inference.client import Event, InferenceCall, InferenceClient
-from hypnos_site.errors import HypnosError, InvalidRequest, ServerError
+from hypnos_site.errors import HypnosError, InvalidRequest
+from inference.client import InferenceCall, InferenceClient
 from inference.protocol import parse_body
 from inference.protocol_media import SpeechRequest, TranscriptionRequest
-from inference.serving.chat import check_prompt_chars, find_model, request_timed_out
-from inference.serving.context import RequestContext, with_wait_estimate
-from inference.serving.pool import pool
+from inference.serving.chat import check_prompt_chars, request_timed_out
+from inference.serving.context import RequestContext, resolve_model, start_call, with_wait_estimate
+from inference.wire import AudioChunk, Done, SpeechWork, TranscribeWork
 
 INLINE_AUDIO_BYTES = 512 << 10
 CONTENT_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "mp3": "audio/mpeg", "opus": "audio/ogg",
@@ -110,29 +110,21 @@ def check_declared_secs(audio: bytes, max_secs: float, param: str) -> None:
 
 
 async def transcribe(client: InferenceClient, body: TranscriptionRequest, audio: bytes,
-                     ctx: RequestContext, param: str = "file") -> tuple[InferenceCall, Event]:
-    """Run a transcription to its end: the call and its `done` event (result and telemetry).
+                     ctx: RequestContext, param: str = "file") -> tuple[InferenceCall, Done]:
+    """Run a transcription to its end: the call and its Done (result and telemetry).
     `param` is the request field the audio came in (input_audio clips: `messages`)."""
-    await pool.ensure(client, body.model)
-    find_model(body.model)
+    model = await resolve_model(client, body.model, ctx)
     max_secs = settings.HYPNOS.limits.max_audio_secs
-    payload = {
-        **audio_payload(audio, ctx.request_id, param),
-        "language": body.language,
-        "prompt": body.prompt,
-        "temperature": body.temperature,
-        "word_timestamps": "word" in body.timestamp_granularities,
-        "max_audio_secs": max_secs,
-        "audio_param": param,
-    }
+    work = TranscribeWork(**audio_payload(audio, ctx.request_id, param), language=body.language, prompt=body.prompt,
+                          temperature=float(body.temperature), word_timestamps="word" in body.timestamp_granularities,
+                          max_audio_secs=float(max_secs), audio_param=param)
     try:
         await asyncio.to_thread(check_declared_secs, audio, max_secs, param)
-        call, _started = await client.start("transcribe", body.model, payload, ctx.request_id, ctx.deadline_ms,
-                                            ctx.next_model)
-        return call, await final_event(call)
+        call, _started = await start_call(client, model, work, ctx)
+        return call, (await call.drain()).done
     finally:
         # The worker removes a spool file once read; this covers a request refused or aborted first.
-        _drop_spool(payload)
+        _drop_spool(work)
 
 
 async def create_transcription(client: InferenceClient, body: TranscriptionRequest, audio: bytes,
@@ -142,7 +134,7 @@ async def create_transcription(client: InferenceClient, body: TranscriptionReque
         call, done = await asyncio.wait_for(transcribe(client, body, audio, ctx), timeout)
     except TimeoutError:
         return request_timed_out(timeout)
-    result, telemetry = done["result"], done["telemetry"]
+    result, telemetry = done.result or {}, done.telemetry
     fmt = body.response_format
     if fmt in ("json", "verbose_json"):
         shaped = _json_transcript(result, body) if fmt == "json" else _verbose_transcript(result, body)
@@ -202,44 +194,41 @@ def vtt(segments: list[dict[str, Any]]) -> str:
     )
 
 
-def _drop_spool(payload: dict[str, Any]) -> None:
-    if payload.get("audio_path"):
+def _drop_spool(work: TranscribeWork) -> None:
+    if work.audio_path:
         from pathlib import Path
 
-        Path(payload["audio_path"]).unlink(missing_ok=True)
+        Path(work.audio_path).unlink(missing_ok=True)
 
 
 # -- speech --------------------------------------------------------------------------------
 
 
 async def create_speech(client: InferenceClient, body: SpeechRequest, ctx: RequestContext) -> HttpResponse:
-    await pool.ensure(client, body.model)
-    find_model(body.model)
+    model = await resolve_model(client, body.model, ctx)
     check_prompt_chars(len(body.input), "input")
     if not body.input.strip():
         raise InvalidRequest("input holds no text to speak", param="input")
-    payload = {"input": body.input, "voice": body.voice, "speed": body.speed,
-               "response_format": body.response_format, "stream": body.stream}
+    work = SpeechWork(input=body.input, voice=body.voice, speed=float(body.speed),
+                      response_format=body.response_format, stream=body.stream)
     timeout = settings.HYPNOS.limits.request_timeout_secs
     try:
-        call, started = await asyncio.wait_for(
-            client.start("speech", body.model, payload, ctx.request_id, ctx.deadline_ms, ctx.next_model), timeout
-        )
+        call, started = await asyncio.wait_for(start_call(client, model, work, ctx), timeout)
         content_type = CONTENT_TYPES[body.response_format]
         if body.stream:
             response: HttpResponse = StreamingHttpResponse(_audio_stream(call), content_type=content_type)
             response["Cache-Control"] = "no-cache"
-            response["x-hypnos-previous-tier"] = started["previous_tier"]
-            response["x-hypnos-gpu-layers"] = str(started["gpu_layers"])
-            response["x-hypnos-switch-ms"] = str(started["tier_switch_ms"])
+            response["x-hypnos-previous-tier"] = started.previous_tier
+            response["x-hypnos-gpu-layers"] = str(started.gpu_layers)
+            response["x-hypnos-switch-ms"] = str(started.tier_switch_ms)
             return with_wait_estimate(response, call)
-        audio, done = await asyncio.wait_for(collect_audio(call), timeout)
+        drained = await asyncio.wait_for(call.drain(), timeout)
     except TimeoutError:
         return request_timed_out(timeout)
-    response = HttpResponse(audio, content_type=content_type)
-    telemetry_headers(response, done["telemetry"])
+    response = HttpResponse(b"".join(drained.audio), content_type=content_type)
+    telemetry_headers(response, drained.done.telemetry)
     # Hypnos extension: the samples synthesized (24 kHz), for clients that check completeness.
-    response["x-hypnos-audio-samples"] = str(done["result"]["samples"])
+    response["x-hypnos-audio-samples"] = str((drained.done.result or {})["samples"])
     return with_wait_estimate(response, call)
 
 
@@ -256,48 +245,14 @@ def telemetry_headers(response: HttpResponse, telemetry: dict[str, Any]) -> None
         response["x-hypnos-rtf"] = str(engine["rtf"])
 
 
-async def final_event(call: InferenceCall) -> Event:
-    """Run a call that sends nothing before its end to its `done` event."""
-    try:
-        async for event in call.events():
-            if event["kind"] == "error":
-                raise HypnosError.from_event(event)
-            if event["kind"] == "done":
-                return event
-    finally:
-        if not call.finished:
-            await call.abort()
-    raise ServerError("the inference worker ended the request without a result")
-
-
-async def collect_audio(call: InferenceCall) -> tuple[bytes, Event]:
-    """The whole audio answer of a speech call and its `done` event."""
-    pieces: list[bytes] = []
-    try:
-        async for event in call.events():
-            if event["kind"] == "audio":
-                pieces.append(base64.b64decode(event["data"]))
-            elif event["kind"] == "error":
-                raise HypnosError.from_event(event)
-            elif event["kind"] == "done":
-                return b"".join(pieces), event
-    finally:
-        if not call.finished:
-            await call.abort()
-    raise ServerError("the inference worker ended the request without a result")
-
-
 async def _audio_stream(call: InferenceCall) -> AsyncIterator[bytes]:
-    """The audio as the worker sends it. A failure mid-stream ends the body early (spec §10);
-    closing the connection aborts synthesis at the next phrase."""
-    try:
-        async for event in call.events():
-            if event["kind"] == "audio":
-                yield base64.b64decode(event["data"])
-            elif event["kind"] == "error":
-                return
-    except HypnosError:
-        return
-    finally:
-        if not call.finished:
-            await asyncio.shield(call.abort())
+    """The audio as the worker sends it. A failure mid-stream ends the body early (spec §10;
+    InferenceCall.events notes the error in the call's record); closing the connection aborts synthesis at the next
+    phrase."""
+    async with call:
+        try:
+            async for event in call.events():
+                if isinstance(event, AudioChunk):
+                    yield event.data
+        except HypnosError:
+            return

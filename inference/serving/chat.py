@@ -15,13 +15,16 @@ from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
 from pydantic import BaseModel
 
 from hypnos_site.config import ENGINE_SAMPLING_DEFAULTS, ModelConfig
-from inference.client import Event, InferenceCall, InferenceClient
-from hypnos_site.errors import HypnosError, InvalidRequest, ServerError
+from hypnos_site.errors import HypnosError, InvalidRequest
+from inference.client import InferenceCall, InferenceClient
 from inference.grammar_limits import check_schema, check_tools
 from inference.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
 from inference.serving import image_input
-from inference.serving.context import RequestContext, start_call, with_wait_estimate
+from inference.serving.context import RequestContext, resolve_model, start_call, with_wait_estimate
 from inference.serving.pool import pool
+from inference.serving.render import DONE, sse_error
+from inference.wire import Delta, Done, GenerateWork, Reasoning, Usage
+from logs.record import CallRecord
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = ENGINE_SAMPLING_DEFAULTS["max_tokens"]
@@ -90,9 +93,8 @@ def worker_message(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def chat_payload(body: ChatCompletionRequest) -> dict[str, Any]:
-    """Check the request against the limits and the model, and build the worker's ChatWork."""
-    model = find_model(body.model)
+def chat_work(body: ChatCompletionRequest, model: ModelConfig, images: list[bytes] | None = None) -> GenerateWork:
+    """Check the request against the limits and the model, and build the worker's work."""
     for message in body.messages:
         for kind in message.media_kinds():
             if MEDIA_MODALITY[kind] not in model.modalities:
@@ -105,15 +107,18 @@ def chat_payload(body: ChatCompletionRequest) -> dict[str, Any]:
     tools = [t.model_dump() for t in body.tools] if body.tools else None
     schema = body.response_format.schema_or_none() if body.response_format else None
     check_grammars(schema, "response_format", tools, body.tool_choice_value())
-    return {
+    think, budget = body.thinking_request()
+    return GenerateWork(
         **sampling_payload(body, model, min(requested) if requested else None),
-        "messages": [worker_message(m) for m in body.messages],
-        "tools": tools,
-        "tool_choice": body.tool_choice_value(),
-        "json_schema": schema,
-        "top_logprobs": (body.top_logprobs or 0) if body.logprobs else None,
-        **dict(zip(("think", "thinking_budget"), body.thinking_request(), strict=True)),
-    }
+        messages=[worker_message(m) for m in body.messages],
+        tools=tools,
+        tool_choice=body.tool_choice_value(),
+        json_schema=schema,
+        top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        think=think,
+        thinking_budget=budget,
+        images=images or [],
+    )
 
 
 async def load_images(body: ChatCompletionRequest) -> list[bytes]:
@@ -125,18 +130,20 @@ async def load_images(body: ChatCompletionRequest) -> list[bytes]:
 async def create_chat_completion(client: InferenceClient, body: ChatCompletionRequest, ctx: RequestContext) -> HttpResponse:
     from inference.serving import voice
 
-    await pool.ensure(client, body.model)
+    model = await resolve_model(client, body.model, ctx)
     timeout = settings.HYPNOS.limits.request_timeout_secs
     completion_id = "chatcmpl-" + uuid.uuid4().hex
     try:
         # input_audio on a chat model that hears through a speech_to_text model: transcribe first.
-        body, stages = await asyncio.wait_for(voice.transcribe_audio_parts(client, body, ctx), timeout)
-        payload = chat_payload(body)
-        payload["images"] = await asyncio.wait_for(load_images(body), timeout)
-        call, _started = await asyncio.wait_for(start_call(client, body.model, payload, ctx), timeout)
-        call = voice.reporting(call, stages, find_model(body.model).id)
+        body, stages = await asyncio.wait_for(voice.transcribe_audio_parts(client, body, model, ctx), timeout)
+        work = chat_work(body, model)
+        work = work.model_copy(update={"images": await asyncio.wait_for(load_images(body), timeout)})
+        call, _started = await asyncio.wait_for(start_call(client, model, work, ctx), timeout)
+        call = voice.reporting(call, stages, model.id)
+        ctx.record.stages = stages
         if body.stream:
-            return with_wait_estimate(sse_response(_chat_sse(call, _ChunkMaker(completion_id, body.model), body.logprobs)), call)
+            chunks = _chat_sse(call, _ChunkMaker(completion_id, body.model), body.logprobs, ctx.record)
+            return with_wait_estimate(sse_response(chunks), call)
         return with_wait_estimate(JsonResponse(await asyncio.wait_for(_chat_json(call, completion_id, body), timeout)), call)
     except TimeoutError:
         return request_timed_out(timeout)
@@ -149,14 +156,16 @@ def request_timed_out(timeout: float) -> HttpResponse:
     )
 
 
-def usage_of(usage: dict[str, Any]) -> dict[str, Any]:
-    shaped = {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    if usage.get("cached_tokens"):
-        shaped["prompt_tokens_details"] = {"cached_tokens": usage["cached_tokens"]}
+def usage_of(usage: Usage | None) -> dict[str, Any]:
+    usage = usage or Usage()
+    shaped: dict[str, Any] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+                              "total_tokens": usage.total_tokens}
+    if usage.cached_tokens:
+        shaped["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
     return shaped
 
 
-def finish_reason(reason: str) -> str:
+def finish_reason(reason: str | None) -> str:
     return reason if reason in ("length", "tool_calls") else "stop"
 
 
@@ -164,62 +173,38 @@ def finish_reason(reason: str) -> str:
 last_stats: dict[str, Any] = {}
 
 
-def record_stats(done: Event) -> None:
-    usage, engine = done["usage"], done["telemetry"]["engine"]
+def record_stats(done: Done) -> None:
+    usage, engine = done.usage or Usage(), done.telemetry.get("engine") or {}
     last_stats.clear()
     last_stats.update({
-        "input_tokens": usage["prompt_tokens"],
-        "output_tokens": usage["completion_tokens"],
+        "input_tokens": usage.prompt_tokens,
+        "output_tokens": usage.completion_tokens,
         "time_to_first_token": round(engine.get("ttft_ms", 0.0) / 1000, 4),
         "tokens_per_second": engine.get("decode_tokens_per_s", 0.0),
-        "cache_tokens": usage.get("cached_tokens", 0),
+        "cache_tokens": usage.cached_tokens,
     })
 
 
-async def collect(call: InferenceCall) -> tuple[str, list[dict[str, Any]], Event]:
-    """Run a call to its end: the answer text, its logprobs entries and the `done` event (with
-    the thoughts, if any, as its `reasoning_content`)."""
-    text: list[str] = []
-    thoughts: list[str] = []
-    logprobs: list[dict[str, Any]] = []
-    try:
-        async for event in call.events():
-            if event["kind"] == "delta":
-                text.append(event["text"])
-                logprobs += event.get("logprobs") or []
-            elif event["kind"] == "reasoning":
-                thoughts.append(event["text"])
-            elif event["kind"] == "error":
-                raise HypnosError.from_event(event)
-            elif event["kind"] == "done":
-                record_stats(event)
-                if thoughts:
-                    event = {**event, "reasoning_content": "".join(thoughts)}
-                return "".join(text), logprobs, event
-    finally:
-        if not call.finished:
-            await call.abort()
-    raise ServerError("the inference worker ended the request without a result")
-
-
 async def _chat_json(call: InferenceCall, completion_id: str, body: ChatCompletionRequest) -> dict[str, Any]:
-    text, logprobs, done = await collect(call)
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if done.get("reasoning_content"):
-        message["reasoning_content"] = done["reasoning_content"]
-    if done.get("tool_calls"):
-        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in done["tool_calls"]]
-    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason(done["finish_reason"])}
+    drained = await call.drain()
+    done = drained.done
+    record_stats(done)
+    message: dict[str, Any] = {"role": "assistant", "content": drained.text}
+    if drained.reasoning:
+        message["reasoning_content"] = drained.reasoning
+    if done.tool_calls:
+        message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in done.tool_calls]
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason(done.finish_reason)}
     if body.logprobs:
-        choice["logprobs"] = {"content": logprobs}
+        choice["logprobs"] = {"content": drained.logprobs}
     return {
         "id": completion_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": body.model,
         "choices": [choice],
-        "usage": usage_of(done["usage"]),
-        "hypnos_telemetry": done["telemetry"],
+        "usage": usage_of(done.usage),
+        "hypnos_telemetry": done.telemetry,
     }
 
 
@@ -228,11 +213,14 @@ class _ChunkMaker:
         self.base = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
 
     def __call__(self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
+        return f"data: {json.dumps(self.chunk(delta, finish, logprobs, **extra), ensure_ascii=False)}\n\n"
+
+    def chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
+              **extra: Any) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
         if logprobs is not None:
             choice["logprobs"] = logprobs
-        chunk = {**self.base, "choices": [choice], **extra}
-        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        return {**self.base, "choices": [choice], **extra}
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingHttpResponse:
@@ -242,35 +230,26 @@ def sse_response(events: AsyncIterator[str]) -> StreamingHttpResponse:
     return response
 
 
-async def _chat_sse(call: InferenceCall, chunk: _ChunkMaker, with_logprobs: bool) -> AsyncIterator[str]:
-    """The chunk sequence of spec §7.4. Closing the connection cancels this generator; its
-    `finally` aborts the request so the engine stops at the next token."""
-    try:
-        yield chunk({"role": "assistant", "content": ""})
-        async for event in call.events():
-            if event["kind"] == "delta":
-                extra = {"logprobs": {"content": event.get("logprobs") or []}} if with_logprobs else {}
-                yield chunk({"content": event["text"]}, **extra)
-            elif event["kind"] == "reasoning":
-                yield chunk({"reasoning_content": event["text"]})
-            elif event["kind"] == "done":
-                record_stats(event)
-                for tool_call in event.get("tool_calls") or []:
-                    yield chunk({"tool_calls": [tool_call]})
-                yield chunk(
-                    {},
-                    finish_reason(event["finish_reason"]),
-                    usage=usage_of(event["usage"]),
-                    hypnos_telemetry=event["telemetry"],
-                )
-            elif event["kind"] == "error":
-                error = HypnosError.from_event(event)
-                yield chunk({}, "error", error={"message": error.message, "type": error.type})
-        yield "data: [DONE]\n\n"
-    except HypnosError as error:
-        # The transport itself failed (a lost reply, a vanished worker): same error chunk.
-        yield chunk({}, "error", error={"message": error.message, "type": error.type})
-        yield "data: [DONE]\n\n"
-    finally:
-        if not call.finished:
-            await asyncio.shield(call.abort())
+async def _chat_sse(call: InferenceCall, chunk: _ChunkMaker, with_logprobs: bool,
+                    record: CallRecord) -> AsyncIterator[str]:
+    """The chunk sequence of spec §7.4. Closing the connection cancels this generator; leaving
+    `async with call` aborts the request so the engine stops at the next token."""
+    async with call:
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            async for event in call.events():
+                if isinstance(event, Delta):
+                    extra = {"logprobs": {"content": event.logprobs or []}} if with_logprobs else {}
+                    yield chunk({"content": event.text}, **extra)
+                elif isinstance(event, Reasoning):
+                    yield chunk({"reasoning_content": event.text})
+                elif isinstance(event, Done):
+                    record_stats(event)
+                    for tool_call in event.tool_calls:
+                        yield chunk({"tool_calls": [tool_call]})
+                    yield chunk({}, finish_reason(event.finish_reason), usage=usage_of(event.usage),
+                                hypnos_telemetry=event.telemetry)
+            yield DONE
+        except HypnosError as error:
+            # An error event, or the transport failed (a lost reply, a vanished worker).
+            yield sse_error(error, chunk.chunk({}, "error"), record)

@@ -12,13 +12,12 @@ from typing import Any
 from django.conf import settings
 from django.http import HttpResponse, JsonResponse
 
-from inference.client import InferenceCall, InferenceClient
+from hypnos_site.config import ModelConfig
 from hypnos_site.errors import HypnosError, InvalidRequest
+from inference.client import InferenceCall, InferenceClient
 from inference.protocol import CompletionRequest
 from inference.serving.chat import (
     check_prompt_chars,
-    collect,
-    find_model,
     finish_reason,
     record_stats,
     request_timed_out,
@@ -26,23 +25,19 @@ from inference.serving.chat import (
     sse_response,
     usage_of,
 )
-from inference.serving.context import RequestContext, start_call, with_wait_estimate
-from inference.serving.pool import pool
+from inference.serving.context import RequestContext, resolve_model, start_call, with_wait_estimate
+from inference.serving.render import DONE, sse_error
+from inference.wire import Delta, Done, GenerateWork
+from logs.record import CallRecord
 
 
-def completion_payload(body: CompletionRequest) -> dict[str, Any]:
-    model = find_model(body.model)
+def completion_work(body: CompletionRequest, model: ModelConfig) -> GenerateWork:
     prompt = body.prompt_text()
     if not prompt:
         raise InvalidRequest("prompt is empty: send the text to continue.", param="prompt")
     check_prompt_chars(len(prompt), "prompt")
-    return {
-        **sampling_payload(body, model, body.max_tokens),
-        "messages": [],
-        "raw_prompt": prompt,
-        "top_logprobs": body.logprobs,
-        "prompt_param": "prompt",
-    }
+    return GenerateWork(**sampling_payload(body, model, body.max_tokens), messages=[], raw_prompt=prompt,
+                        top_logprobs=body.logprobs, prompt_param="prompt")
 
 
 def legacy_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
@@ -60,51 +55,51 @@ def legacy_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any
 
 
 async def create_completion(client: InferenceClient, body: CompletionRequest, ctx: RequestContext) -> HttpResponse:
-    await pool.ensure(client, body.model)
-    payload = completion_payload(body)
+    model = await resolve_model(client, body.model, ctx)
+    work = completion_work(body, model)
     timeout = settings.HYPNOS.limits.request_timeout_secs
     completion_id = "cmpl-" + uuid.uuid4().hex
     try:
-        call, _ = await asyncio.wait_for(start_call(client, body.model, payload, ctx), timeout)
+        call, _ = await asyncio.wait_for(start_call(client, model, work, ctx), timeout)
         if body.stream:
-            return with_wait_estimate(sse_response(_completion_sse(call, completion_id, body)), call)
-        text, logprobs, done = await asyncio.wait_for(collect(call), timeout)
+            return with_wait_estimate(sse_response(_completion_sse(call, completion_id, body, ctx.record)), call)
+        drained = await asyncio.wait_for(call.drain(), timeout)
     except TimeoutError:
         return request_timed_out(timeout)
-    choice = {"text": text, "index": 0, "finish_reason": finish_reason(done["finish_reason"]),
-              "logprobs": legacy_logprobs(logprobs, 0) if body.logprobs is not None else None}
+    done = drained.done
+    record_stats(done)
+    choice = {"text": drained.text, "index": 0, "finish_reason": finish_reason(done.finish_reason),
+              "logprobs": legacy_logprobs(drained.logprobs, 0) if body.logprobs is not None else None}
     return with_wait_estimate(JsonResponse({
         "id": completion_id, "object": "text_completion", "created": int(time.time()), "model": body.model,
-        "choices": [choice], "usage": usage_of(done["usage"]), "hypnos_telemetry": done["telemetry"],
+        "choices": [choice], "usage": usage_of(done.usage), "hypnos_telemetry": done.telemetry,
     }), call)
 
 
-async def _completion_sse(call: InferenceCall, completion_id: str, body: CompletionRequest) -> AsyncIterator[str]:
+async def _completion_sse(call: InferenceCall, completion_id: str, body: CompletionRequest,
+                          record: CallRecord) -> AsyncIterator[str]:
     base = {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": body.model}
     offset = 0
 
-    def chunk(text: str, finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
+    def chunk(text: str, finish: str | None = None, logprobs: Any = None, **extra: Any) -> dict[str, Any]:
         choice = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
-        return f"data: {json.dumps({**base, 'choices': [choice], **extra}, ensure_ascii=False)}\n\n"
+        return {**base, "choices": [choice], **extra}
 
-    try:
-        async for event in call.events():
-            if event["kind"] == "delta":
-                entries = event.get("logprobs") or []
-                logprobs = legacy_logprobs(entries, offset) if body.logprobs is not None else None
-                offset += len(event["text"])
-                yield chunk(event["text"], logprobs=logprobs)
-            elif event["kind"] == "done":
-                record_stats(event)
-                yield chunk("", finish_reason(event["finish_reason"]), usage=usage_of(event["usage"]),
-                            hypnos_telemetry=event["telemetry"])
-            elif event["kind"] == "error":
-                error = HypnosError.from_event(event)
-                yield chunk("", "error", error={"message": error.message, "type": error.type})
-        yield "data: [DONE]\n\n"
-    except HypnosError as error:
-        yield chunk("", "error", error={"message": error.message, "type": error.type})
-        yield "data: [DONE]\n\n"
-    finally:
-        if not call.finished:
-            await asyncio.shield(call.abort())
+    def line(payload: dict[str, Any]) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    async with call:
+        try:
+            async for event in call.events():
+                if isinstance(event, Delta):
+                    entries = event.logprobs or []
+                    logprobs = legacy_logprobs(entries, offset) if body.logprobs is not None else None
+                    offset += len(event.text)
+                    yield line(chunk(event.text, logprobs=logprobs))
+                elif isinstance(event, Done):
+                    record_stats(event)
+                    yield line(chunk("", finish_reason(event.finish_reason), usage=usage_of(event.usage),
+                                     hypnos_telemetry=event.telemetry))
+            yield DONE
+        except HypnosError as error:
+            yield sse_error(error, chunk("", "error"), record)

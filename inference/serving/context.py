@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 from django.http import HttpRequest, HttpResponseBase
 
-from inference.client import Event, InferenceCall, InferenceClient
+from hypnos_site.config import ModelConfig
 from hypnos_site.errors import InvalidRequest
+from inference.client import InferenceCall, InferenceClient
+from inference.serving.pool import pool
+from inference.wire import EngineRequest, Started, Work
+from logs.record import CallRecord
 
 
 @dataclass(frozen=True)
@@ -18,6 +21,9 @@ class RequestContext:
     deadline_ms: float | None = None
     # x-hypnos-next-model: the model the client will call next, loaded meanwhile.
     next_model: str | None = None
+    # The call's structured record (logs.middleware hangs it on the request; a call made
+    # without one, a pipeline stage or a realtime turn, gets its own).
+    record: CallRecord = field(default_factory=CallRecord, compare=False)
 
     @classmethod
     def of(cls, request: HttpRequest) -> RequestContext:
@@ -32,13 +38,27 @@ class RequestContext:
                                      param="x-hypnos-deadline-ms")
         else:
             deadline_ms = None
-        return cls(request.hypnos_request_id, deadline_ms, request.headers.get("x-hypnos-next-model") or None)  # type: ignore[attr-defined]
+        record = getattr(request, "hypnos_call", None) or CallRecord()
+        return cls(request.hypnos_request_id, deadline_ms,  # type: ignore[attr-defined]
+                   request.headers.get("x-hypnos-next-model") or None, record)
 
 
-async def start_call(client: InferenceClient, model: str, payload: dict[str, Any],
-                     ctx: RequestContext) -> tuple[InferenceCall, Event]:
-    """Submit a text-generation request with the context's deadline and next model."""
-    return await client.start("chat", model, payload, ctx.request_id, ctx.deadline_ms, ctx.next_model)
+async def resolve_model(client: InferenceClient, name: str, ctx: RequestContext) -> ModelConfig:
+    """The pool's model `name` (an id or an alias) stands for, once per request; 404
+    model_not_found. Noted in the call's record."""
+    await pool.ensure(client, name)
+    model = pool.find(name)
+    ctx.record.model = model.id
+    return model
+
+
+async def start_call(client: InferenceClient, model: ModelConfig, work: Work,
+                     ctx: RequestContext) -> tuple[InferenceCall, Started]:
+    """Submit the work with the context's deadline and next model; the call fills the record."""
+    ctx.record.work = work.kind
+    request = EngineRequest(request_id=ctx.request_id, model=model.id, work=work, deadline_ms=ctx.deadline_ms,
+                            next_model=ctx.next_model)
+    return await client.start(request, ctx.record)
 
 
 def with_wait_estimate(response: HttpResponseBase, call: InferenceCall) -> HttpResponseBase:

@@ -12,22 +12,23 @@ from typing import Any
 from django.conf import settings
 from django.http import HttpResponse, JsonResponse
 
-from inference.client import Event, InferenceCall, InferenceClient
+from hypnos_site.config import ModelConfig
 from hypnos_site.errors import HypnosError, InvalidRequest
+from inference.client import InferenceCall, InferenceClient
 from inference.protocol import ResponsesRequest
 from inference.serving.chat import (
     capped_max_tokens,
     check_grammars,
     check_prompt_chars,
-    collect,
-    find_model,
     model_defaults,
     record_stats,
     request_timed_out,
     sse_response,
 )
-from inference.serving.context import RequestContext, start_call, with_wait_estimate
-from inference.serving.pool import pool
+from inference.serving.context import RequestContext, resolve_model, start_call, with_wait_estimate
+from inference.serving.render import error_fields
+from inference.wire import Delta, Done, GenerateWork, Reasoning, Usage
+from logs.record import CallRecord
 
 
 def _text_of(content: Any) -> str:
@@ -66,8 +67,7 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def responses_payload(body: ResponsesRequest) -> dict[str, Any]:
-    model = find_model(body.model)
+def responses_work(body: ResponsesRequest, model: ModelConfig) -> GenerateWork:
     messages = input_messages(body)
     check_prompt_chars(sum(len(m["content"]) for m in messages), "input")
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
@@ -78,18 +78,20 @@ def responses_payload(body: ResponsesRequest) -> dict[str, Any]:
     fmt = body.text.format if body.text and body.text.format else None
     schema = None if fmt is None or fmt.type == "text" else (fmt.schema_ or {})
     check_grammars(schema, "text.format", tools, choice)
-    return {
-        "messages": messages,
-        "max_tokens": capped_max_tokens(body.max_output_tokens, model),
+    think, budget = body.thinking_request()
+    return GenerateWork(
+        messages=messages,
+        max_tokens=capped_max_tokens(body.max_output_tokens, model),
         **model_defaults(body, model, "temperature", "top_p"),
-        "seed": body.seed,
-        "tools": tools or None,
-        "tool_choice": choice,
-        "json_schema": schema,
-        "schema_param": "text.format",
-        "prompt_param": "input",
-        **dict(zip(("think", "thinking_budget"), body.thinking_request(), strict=True)),
-    }
+        seed=body.seed,
+        tools=tools or None,
+        tool_choice=choice,
+        json_schema=schema,
+        schema_param="text.format",
+        prompt_param="input",
+        think=think,
+        thinking_budget=budget,
+    )
 
 
 class _Builder:
@@ -102,7 +104,7 @@ class _Builder:
         self.body = body
         self.created = int(time.time())
 
-    def response(self, status: str, output: list[dict[str, Any]], done: Event | None = None) -> dict[str, Any]:
+    def response(self, status: str, output: list[dict[str, Any]], done: Done | None = None) -> dict[str, Any]:
         response: dict[str, Any] = {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "model": self.body.model, "output": output, "instructions": self.body.instructions,
@@ -111,16 +113,16 @@ class _Builder:
             "parallel_tool_calls": False, "error": None, "incomplete_details": None,
         }
         if done is not None:
-            usage = done["usage"]
+            usage = done.usage or Usage()
             response["usage"] = {
-                "input_tokens": usage["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": usage.get("cached_tokens", 0)},
-                "output_tokens": usage["completion_tokens"],
+                "input_tokens": usage.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+                "output_tokens": usage.completion_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": usage["total_tokens"],
+                "total_tokens": usage.total_tokens,
             }
-            response["hypnos_telemetry"] = done["telemetry"]
-            if done["finish_reason"] == "length":
+            response["hypnos_telemetry"] = done.telemetry
+            if done.finish_reason == "length":
                 response["status"] = "incomplete"
                 response["incomplete_details"] = {"reason": "max_output_tokens"}
         return response
@@ -134,12 +136,12 @@ class _Builder:
         return {"id": "fc_" + call["id"].removeprefix("call_"), "type": "function_call", "status": "completed",
                 "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
 
-    def output(self, text: str, done: Event) -> list[dict[str, Any]]:
-        items = [self.message(text)] if text or not done.get("tool_calls") else []
-        if done.get("reasoning_content"):
+    def output(self, text: str, done: Done, reasoning: str = "") -> list[dict[str, Any]]:
+        items = [self.message(text)] if text or not done.tool_calls else []
+        if reasoning:
             # The thoughts first, as OpenAI's reasoning item (they come before the answer).
-            items.insert(0, self.reasoning(done["reasoning_content"]))
-        return items + [self.function_call(c) for c in done.get("tool_calls") or []]
+            items.insert(0, self.reasoning(reasoning))
+        return items + [self.function_call(c) for c in done.tool_calls]
 
     def reasoning(self, text: str, status: str = "completed") -> dict[str, Any]:
         content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
@@ -147,23 +149,24 @@ class _Builder:
 
 
 async def create_response(client: InferenceClient, body: ResponsesRequest, ctx: RequestContext) -> HttpResponse:
-    await pool.ensure(client, body.model)
-    payload = responses_payload(body)
+    model = await resolve_model(client, body.model, ctx)
+    work = responses_work(body, model)
     timeout = settings.HYPNOS.limits.request_timeout_secs
     builder = _Builder(body)
     try:
-        call, _ = await asyncio.wait_for(start_call(client, body.model, payload, ctx), timeout)
+        call, _ = await asyncio.wait_for(start_call(client, model, work, ctx), timeout)
         if body.stream:
-            return with_wait_estimate(sse_response(_response_events(call, builder)), call)
-        text, _, done = await asyncio.wait_for(collect(call), timeout)
+            return with_wait_estimate(sse_response(_response_events(call, builder, ctx.record)), call)
+        drained = await asyncio.wait_for(call.drain(), timeout)
     except TimeoutError:
         return request_timed_out(timeout)
-    response = builder.response("completed", builder.output(text, done), done)
-    response["output_text"] = text
+    record_stats(drained.done)
+    response = builder.response("completed", builder.output(drained.text, drained.done, drained.reasoning), drained.done)
+    response["output_text"] = drained.text
     return with_wait_estimate(JsonResponse(response), call)
 
 
-async def _response_events(call: InferenceCall, builder: _Builder) -> AsyncIterator[str]:
+async def _response_events(call: InferenceCall, builder: _Builder, record: CallRecord) -> AsyncIterator[str]:
     """The named SSE events of the Responses API, ending with response.completed."""
     seq = 0
 
@@ -187,60 +190,57 @@ async def _response_events(call: InferenceCall, builder: _Builder) -> AsyncItera
         yield event("response.reasoning_text.done", **reasoning, text=whole)
         yield event("response.output_item.done", output_index=0, item=builder.reasoning(whole))
 
-    try:
-        yield event("response.created", response=builder.response("in_progress", []))
-        yield event("response.in_progress", response=builder.response("in_progress", []))
-        async for item in call.events():
-            if item["kind"] == "reasoning" and item["text"]:
-                if not thoughts:
-                    thinking = True
-                    yield event("response.output_item.added", output_index=0, item=builder.reasoning("", "in_progress"))
-                thoughts.append(item["text"])
-                yield event("response.reasoning_text.delta", item_id=builder.reasoning_id, output_index=0,
-                            content_index=0, delta=item["text"])
-            elif item["kind"] == "delta" and item["text"]:
-                if thinking:
-                    for line in close_reasoning():
-                        yield line
-                if not opened:
-                    opened = True
-                    ids["output_index"] = 1 if thoughts else 0
-                    yield event("response.output_item.added", output_index=ids["output_index"],
-                                item=builder.message("", "in_progress"))
-                    yield event("response.content_part.added", **ids,
-                                part={"type": "output_text", "text": "", "annotations": []})
-                text.append(item["text"])
-                yield event("response.output_text.delta", **ids, delta=item["text"])
-            elif item["kind"] == "error":
-                error = HypnosError.from_event(item)
-                failed = builder.response("failed", [])
-                failed["error"] = {"code": error.type, "message": error.message}
-                yield event("response.failed", response=failed)
-                return
-            elif item["kind"] == "done":
-                record_stats(item)
-                if thinking:
-                    for line in close_reasoning():
-                        yield line
-                whole = "".join(text)
-                index = 1 if thoughts else 0
-                if opened:
-                    part = {"type": "output_text", "text": whole, "annotations": []}
-                    yield event("response.output_text.done", **ids, text=whole)
-                    yield event("response.content_part.done", **ids, part=part)
-                    yield event("response.output_item.done", output_index=ids["output_index"], item=builder.message(whole))
-                    index += 1
-                for offset, tool_call in enumerate(item.get("tool_calls") or []):
-                    fc = builder.function_call(tool_call)
-                    yield event("response.output_item.added", output_index=index + offset, item={**fc, "arguments": "", "status": "in_progress"})
-                    yield event("response.function_call_arguments.delta", item_id=fc["id"], output_index=index + offset,
-                                delta=fc["arguments"])
-                    yield event("response.function_call_arguments.done", item_id=fc["id"], output_index=index + offset,
-                                arguments=fc["arguments"])
-                    yield event("response.output_item.done", output_index=index + offset, item=fc)
-                final = builder.response("completed", builder.output(whole, {**item, "reasoning_content": "".join(thoughts)}),
-                                         item)
-                yield event("response.completed", response=final)
-    finally:
-        if not call.finished:
-            await asyncio.shield(call.abort())
+    async with call:
+        try:
+            yield event("response.created", response=builder.response("in_progress", []))
+            yield event("response.in_progress", response=builder.response("in_progress", []))
+            async for item in call.events():
+                if isinstance(item, Reasoning) and item.text:
+                    if not thoughts:
+                        thinking = True
+                        yield event("response.output_item.added", output_index=0, item=builder.reasoning("", "in_progress"))
+                    thoughts.append(item.text)
+                    yield event("response.reasoning_text.delta", item_id=builder.reasoning_id, output_index=0,
+                                content_index=0, delta=item.text)
+                elif isinstance(item, Delta) and item.text:
+                    if thinking:
+                        for line in close_reasoning():
+                            yield line
+                    if not opened:
+                        opened = True
+                        ids["output_index"] = 1 if thoughts else 0
+                        yield event("response.output_item.added", output_index=ids["output_index"],
+                                    item=builder.message("", "in_progress"))
+                        yield event("response.content_part.added", **ids,
+                                    part={"type": "output_text", "text": "", "annotations": []})
+                    text.append(item.text)
+                    yield event("response.output_text.delta", **ids, delta=item.text)
+                elif isinstance(item, Done):
+                    record_stats(item)
+                    if thinking:
+                        for line in close_reasoning():
+                            yield line
+                    whole = "".join(text)
+                    index = 1 if thoughts else 0
+                    if opened:
+                        part = {"type": "output_text", "text": whole, "annotations": []}
+                        yield event("response.output_text.done", **ids, text=whole)
+                        yield event("response.content_part.done", **ids, part=part)
+                        yield event("response.output_item.done", output_index=ids["output_index"], item=builder.message(whole))
+                        index += 1
+                    for offset, tool_call in enumerate(item.tool_calls):
+                        fc = builder.function_call(tool_call)
+                        yield event("response.output_item.added", output_index=index + offset, item={**fc, "arguments": "", "status": "in_progress"})
+                        yield event("response.function_call_arguments.delta", item_id=fc["id"], output_index=index + offset,
+                                    delta=fc["arguments"])
+                        yield event("response.function_call_arguments.done", item_id=fc["id"], output_index=index + offset,
+                                    arguments=fc["arguments"])
+                        yield event("response.output_item.done", output_index=index + offset, item=fc)
+                    final = builder.response("completed", builder.output(whole, item, "".join(thoughts)), item)
+                    yield event("response.completed", response=final)
+        except HypnosError as error:
+            # The Responses API's own failure event; the envelope's fields under `error`.
+            record.note_error(error.message, error.type)
+            failed = builder.response("failed", [])
+            failed["error"] = {**error_fields(error), "code": error.code or error.type}
+            yield event("response.failed", response=failed)

@@ -9,20 +9,20 @@ import binascii
 import uuid
 from typing import Any
 
-from inference.client import Event, InferenceCall, InferenceClient
+from hypnos_site.config import ModelConfig
 from hypnos_site.errors import InvalidRequest
+from inference.client import Event, InferenceCall, InferenceClient
 from inference.protocol import ChatCompletionRequest, InputAudioPart, TextPart
 from inference.protocol_media import TranscriptionRequest
 from inference.serving.audio import transcribe
-from inference.serving.chat import find_model
 from inference.serving.context import RequestContext
+from inference.wire import Done
 
 
-async def transcribe_audio_parts(client: InferenceClient, body: ChatCompletionRequest,
+async def transcribe_audio_parts(client: InferenceClient, body: ChatCompletionRequest, model: ModelConfig,
                                  ctx: RequestContext) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
     """The request with its input_audio parts replaced by their transcripts, and one pipeline
     stage per clip. Unchanged when there is no audio or the model hears audio itself."""
-    model = find_model(body.model)
     clips = [p for m in body.messages if isinstance(m.content, list)
              for p in m.content if isinstance(p, InputAudioPart)]
     if not clips or model.modality == "speech_to_text" or not model.speech_to_text_model:
@@ -35,10 +35,10 @@ async def transcribe_audio_parts(client: InferenceClient, body: ChatCompletionRe
         stage_ctx = RequestContext("req-" + uuid.uuid4().hex, ctx.deadline_ms, next_model=model.id)
         request = TranscriptionRequest(model=model.speech_to_text_model, filename=f"clip.{clip.input_audio.format}")
         _call, done = await transcribe(client, request, audio, stage_ctx, param="messages")
-        transcripts[id(clip)] = done["result"]["text"]
-        telemetry = done["telemetry"]
+        result = done.result or {}
+        transcripts[id(clip)] = result["text"]
         stages.append({"stage": "transcription", "model": model.speech_to_text_model,
-                       "text": done["result"]["text"], "audio_secs": done["result"]["duration_secs"], **telemetry})
+                       "text": result["text"], "audio_secs": result["duration_secs"], **done.telemetry})
     messages = []
     for message in body.messages:
         if isinstance(message.content, list):
@@ -66,12 +66,12 @@ class _Pipeline(InferenceCall):
         super().__init__(inner.request_id)
         self.inner, self.stages, self.model = inner, stages, model
         self.estimated_wait_ms = getattr(inner, "estimated_wait_ms", None)
+        self.stall_timeout, self.record = inner.stall_timeout, inner.record
 
     async def next_event(self) -> Event:
         event = await self.inner.next_event()
-        if event["kind"] == "done":
-            telemetry = event["telemetry"]
-            telemetry["pipeline"] = [*self.stages, {"stage": "chat", "model": self.model}]
+        if isinstance(event, Done):
+            event.telemetry["pipeline"] = [*self.stages, {"stage": "chat", "model": self.model}]
         return event
 
     async def abort(self) -> None:

@@ -13,7 +13,11 @@ import logging
 import time
 from typing import Any
 
+from pydantic import ValidationError
+
+from hypnos_site.errors import InvalidRequest
 from inference.client import REQUEST_CHANNEL
+from inference.wire import TERMINAL, Accepted, Delta, Error, Heartbeat, decode_request, encode_event
 from inference.worker.core import Worker
 
 log = logging.getLogger(__name__)
@@ -21,7 +25,6 @@ log = logging.getLogger(__name__)
 DELTA_BATCH_SECS = 0.005
 RECEIVE_RETRY_SECS = 1.0
 HEARTBEAT_SECS = 0.5
-TERMINAL = ("done", "error", "result")
 
 
 class ChannelServer:
@@ -85,24 +88,29 @@ class ChannelServer:
 
     async def _relay(self, message: dict[str, Any]) -> None:
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
         reply = message["reply_channel"]
         seq = 0
 
-        async def send(event: dict[str, Any]) -> None:
+        async def send(event: Any) -> None:
             nonlocal seq
-            await self.layer.send(reply, {"seq": seq, "event": event})
+            await self.layer.send(reply, {"seq": seq, "event": encode_event(event)})
             seq += 1
 
-        await send({"kind": "accepted", "worker_channel": self.own_channel})
-        self.worker.submit(message, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
+        await send(Accepted(worker_channel=self.own_channel))
+        try:
+            request = decode_request(message["request"])
+        except (KeyError, ValidationError) as exc:
+            await send(Error.of(InvalidRequest(f"malformed worker request: {exc}")))
+            return
+        self.worker.submit(request, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
         while True:
             try:
                 event = await asyncio.wait_for(queue.get(), HEARTBEAT_SECS)
             except TimeoutError:
-                await send({"kind": "heartbeat"})
+                await send(Heartbeat())
                 continue
-            if event["kind"] == "delta":
+            if isinstance(event, Delta):
                 await asyncio.sleep(DELTA_BATCH_SECS)
                 event, terminal = _merge_deltas(event, queue)
                 await send(event)
@@ -110,20 +118,22 @@ class ChannelServer:
                     continue
                 event = terminal
             await send(event)
-            if event["kind"] in TERMINAL:
+            if isinstance(event, TERMINAL):
                 return
 
 
-def _merge_deltas(first: dict[str, Any], queue: asyncio.Queue[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def _merge_deltas(first: Delta, queue: asyncio.Queue[Any]) -> tuple[Delta, Any]:
     """Join the deltas already queued behind `first`; return the joined delta and the next
     non-delta event if one was taken off the queue."""
-    text, logprobs = [first["text"]], list(first.get("logprobs") or [])
+    text, logprobs = [first.text], list(first.logprobs or [])
     nxt = None
     while not queue.empty():
         event = queue.get_nowait()
-        if event["kind"] != "delta":
+        if not isinstance(event, Delta):
             nxt = event
             break
-        text.append(event["text"])
-        logprobs += event.get("logprobs") or []
-    return {"kind": "delta", "text": "".join(text), "logprobs": logprobs or None}, nxt
+        text.append(event.text)
+        logprobs += event.logprobs or []
+    if len(text) == 1:
+        return first, nxt
+    return Delta(text="".join(text), logprobs=logprobs or None), nxt

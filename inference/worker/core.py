@@ -1,7 +1,7 @@
 """The inference worker: holds the engines, admits requests, moves models between the tiers.
 
-It is transport-agnostic: `submit` takes a plain-dict request and a `sink` callable that
-receives plain-dict events (`started`, `delta`, `done`, `error`) from any thread. The in-process
+It is transport-agnostic: `submit` takes a typed request (inference/wire.py) and a `sink`
+callable that receives the typed events (`Started`, `Delta`, `Done`, `Error`) from any thread. The in-process
 transport and `manage.py runinference` both drive this same object. The tier decisions are the
 TierManager's (memory/); this module carries them out with the engines.
 """
@@ -36,6 +36,19 @@ from hypnos_site.errors import (
     ModelNotFound,
     ServerError,
 )
+from inference.wire import (
+    ControlRequest,
+    Delta,
+    Done,
+    EngineRequest,
+    Error,
+    GenerateWork,
+    Queued,
+    Reasoning,
+    Result,
+    Started,
+    Usage,
+)
 from inference.worker.media import MEDIA_OPS, MediaWork, media_work, serve_media
 from inference.worker.pool import POOL_OPS, PoolChanging, change_pool, resubmit_after_change
 from inference.worker.status import StatusReports
@@ -47,7 +60,7 @@ from memory.tiers import MemoryTier
 
 log = logging.getLogger(__name__)
 
-Event = dict[str, Any]
+Event = Any  # an inference.wire event
 Sink = Callable[[Event], None]
 # How often a request waiting for a slot looks at its cancel flag.
 SLOT_POLL_SECS = 0.05
@@ -274,45 +287,43 @@ class Worker(TierMoves, StatusReports):
                 self._demote(model_id, runtime.engine, MemoryTier.TIER3, park=False)
         return runtime
 
-    def submit(self, request: dict[str, Any], sink: Sink) -> None:
+    def submit(self, request: EngineRequest | ControlRequest, sink: Sink) -> None:
         """Admit a request or refuse it at once; an admitted one runs on a worker thread.
-        Control operations (status, memory_status, move) answer with one `result` event."""
-        if request.get("op") in CONTROL_OPS or request.get("op") in POOL_OPS:
-            self._executor.submit(self._control, request["op"], request.get("payload") or {}, sink)
+        Control operations (status, memory_status, move) answer with one `Result` event."""
+        if isinstance(request, ControlRequest):
+            self._executor.submit(self._control, request.op, request.args, sink)
             return
         try:
             if not self.ready:
                 raise ModelNotAvailable(STILL_STAGING)
-            runtime = self.resolve(request["model"])
+            runtime = self.resolve(request.model)
             work: ChatWork | MediaWork
-            if request["op"] in MEDIA_OPS:
-                work = media_work(runtime.config, request["op"], request["payload"])
+            if request.work.kind in MEDIA_OPS:
+                work = media_work(runtime.config, request.work)  # type: ignore[arg-type]
             else:
-                if request["op"] != "chat" or runtime.config.modality not in ("text_generation", "vision"):
+                if not isinstance(request.work, GenerateWork) or \
+                        runtime.config.modality not in ("text_generation", "vision"):
                     raise InvalidRequest(
                         f"The model {runtime.config.id!r} serves {runtime.config.modality}, not chat completions.",
                         param="model",
                     )
-                work = ChatWork(**request["payload"])
+                work = request.work.chat_work()
                 self._check_capabilities(runtime, work)
-            estimate = self._admit(runtime, request.get("deadline_ms") or self._implicit_deadline_ms())
+            estimate = self._admit(runtime, request.deadline_ms or self._implicit_deadline_ms())
         except PoolChanging as changing:
             self._executor.submit(resubmit_after_change, self, changing.done, request, sink)
             return
         except HypnosError as exc:
-            sink(exc.as_event())
+            sink(Error.of(exc))
             return
-        except (KeyError, TypeError) as exc:
-            sink(InvalidRequest(f"malformed worker request: {exc}").as_event())
-            return
-        sink({"kind": "queued", "estimated_wait_ms": estimate})
+        sink(Queued(estimated_wait_ms=estimate))
         if os.environ.get(FAULT_INJECTION_ENV) == "1":
-            sink = self._faulty(request["request_id"], sink)
+            sink = self._faulty(request.request_id, sink)
         cancel = threading.Event()
-        self._cancels[request["request_id"]] = cancel
-        self._executor.submit(self._run, runtime, request["request_id"], work, cancel, sink)
-        if request.get("next_model"):
-            self._executor.submit(self._prefetch, request["next_model"])
+        self._cancels[request.request_id] = cancel
+        self._executor.submit(self._run, runtime, request.request_id, work, cancel, sink)
+        if request.next_model:
+            self._executor.submit(self._prefetch, request.next_model)
 
     def _prefetch(self, name: str) -> None:
         """x-hypnos-next-model: bring the model the client will call next to tier 1 meanwhile.
@@ -372,12 +383,12 @@ class Worker(TierMoves, StatusReports):
                     raise ModelNotAvailable(STILL_STAGING)
                 placement = self.move(payload["model"], MemoryTier(payload["target_tier"]), payload.get("context_len"))
                 result = {"model": self.resolve(payload["model"]).config.id, "placement": placement.as_dict()}
-            sink({"kind": "result", "result": result})
+            sink(Result(result=result))
         except HypnosError as exc:
-            sink(exc.as_event())
+            sink(Error.of(exc))
         except Exception as exc:
             log.exception("control operation %s failed", op)
-            sink(ServerError(f"{op} failed: {type(exc).__name__}: {exc}").as_event())
+            sink(Error.of(ServerError(f"{op} failed: {type(exc).__name__}: {exc}")))
 
     def _check_capabilities(self, runtime: ModelRuntime, work: ChatWork) -> None:
         engine = runtime.engine
@@ -475,10 +486,10 @@ class Worker(TierMoves, StatusReports):
                 final = self._serve_chat(runtime, engine, work, lease, sink, queue_ms)
             runtime.note_service((time.perf_counter() - arrived) * 1000 - queue_ms)
         except HypnosError as exc:
-            final = exc.as_event()
+            final = Error.of(exc)
         except Exception as exc:
             log.exception("request %s on %s failed", request_id, runtime.config.id)
-            final = ServerError(f"The engine failed: {type(exc).__name__}: {exc}").as_event()
+            final = Error.of(ServerError(f"The engine failed: {type(exc).__name__}: {exc}"))
         finally:
             # Everything is released before the client hears the end, so its next request
             # never finds this one's lease or slot still held.
@@ -511,16 +522,13 @@ class Worker(TierMoves, StatusReports):
                 switch.phases = grown.phases if switch.phases is None else switch.phases.plus(grown.phases)
                 switch.evicted += grown.evicted
         engine.check_context(work)
-        sink({"kind": "started", "previous_tier": str(switch.previous_tier)})
+        sink(Started(previous_tier=str(switch.previous_tier)))
         sent = False
 
         def on_delta(text: str, logprobs: list[dict[str, Any]] | None, reasoning: bool = False, /) -> None:
             nonlocal sent
             sent = True
-            if reasoning:
-                sink({"kind": "reasoning", "text": text})
-            else:
-                sink({"kind": "delta", "text": text, "logprobs": logprobs})
+            sink(Reasoning(text=text) if reasoning else Delta(text=text, logprobs=logprobs))
 
         started = time.perf_counter()
         try:
@@ -544,15 +552,6 @@ class Worker(TierMoves, StatusReports):
         }
         if switch.phases:
             telemetry["tier_switch_phases"] = switch.phases.as_dict()
-        return {
-            "kind": "done",
-            "finish_reason": result.finish_reason,
-            "tool_calls": result.tool_calls,
-            "usage": {
-                "prompt_tokens": result.prompt_tokens,
-                "completion_tokens": result.completion_tokens,
-                "total_tokens": result.prompt_tokens + result.completion_tokens,
-                "cached_tokens": result.cached_tokens,
-            },
-            "telemetry": telemetry,
-        }
+        usage = Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
+                      cached_tokens=result.cached_tokens)
+        return Done(finish_reason=result.finish_reason, tool_calls=result.tool_calls, usage=usage, telemetry=telemetry)

@@ -2,9 +2,9 @@
 
 They run on the chat path's machinery (admission, the model's slot, a lease, `_ensure_tier1`,
 eviction, telemetry); this module holds what differs: the work each op carries, how it drives
-its engine, and the events it sends back. Results travel as plain dicts; vectors and audio go
-base64-encoded in events of bounded size (the channel layer caps a message near 1 MB), and a
-large upload comes as a spool file path instead of inline bytes."""
+its engine, and the events it sends back (inference/wire.py). Vectors and audio go as bytes in
+events of bounded size (the channel layer caps a message near 1 MB), and a large upload comes as
+a spool file path instead of inline bytes."""
 
 from __future__ import annotations
 
@@ -19,12 +19,13 @@ import numpy as np
 
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import Cancelled, DeviceOutOfMemory, InvalidRequest
+from inference.wire import AudioChunk, Done, EmbedWork, SpeechWork, Started, TranscribeWork, VectorChunk
 
 if TYPE_CHECKING:
     from inference.engines.base import Engine
     from inference.worker.core import ModelRuntime, Worker
 
-Event = dict[str, Any]
+Event = Any  # an inference.wire event
 MEDIA_OPS = {"embed": "embeddings", "transcribe": "speech_to_text", "speech": "text_to_speech"}
 ROUTES = {"embed": "embeddings", "transcribe": "transcriptions", "speech": "speech"}
 VECTORS_PER_EVENT = 256  # 384 dims: ~0.5 MB of base64 per event
@@ -35,17 +36,18 @@ STREAMABLE_FORMATS = ("wav", "pcm")
 @dataclass
 class MediaWork:
     op: str
-    payload: dict[str, Any]
+    payload: EmbedWork | TranscribeWork | SpeechWork
 
 
-def media_work(config: ModelConfig, op: str, payload: dict[str, Any]) -> MediaWork:
+def media_work(config: ModelConfig, work: EmbedWork | TranscribeWork | SpeechWork) -> MediaWork:
     """The op's work, refused at admission when the model does not serve its modality."""
+    op = work.kind
     if config.modality != MEDIA_OPS[op]:
         raise InvalidRequest(
             f"The model {config.id!r} serves {config.modality}, not {MEDIA_OPS[op]} (/v1/{ROUTES[op]}).",
             param="model",
         )
-    return MediaWork(op, payload)
+    return MediaWork(op, work)
 
 
 def serve_media(worker: Worker, runtime: ModelRuntime, engine: Engine, work: MediaWork, cancel: threading.Event,
@@ -55,8 +57,7 @@ def serve_media(worker: Worker, runtime: ModelRuntime, engine: Engine, work: Med
     switch = worker._ensure_tier1(runtime, runtime.config.context_len)
     placement = worker.tiers.placement(runtime.config.id)
     switch_ms = round(switch.phases.total_ms, 1) if switch.phases else 0.0
-    sink({"kind": "started", "previous_tier": str(switch.previous_tier), "gpu_layers": placement.gpu_layers,
-          "tier_switch_ms": switch_ms})
+    sink(Started(previous_tier=str(switch.previous_tier), gpu_layers=placement.gpu_layers, tier_switch_ms=switch_ms))
     run = {"embed": _embed, "transcribe": _transcribe, "speech": _speech}[work.op]
     started = time.perf_counter()
     try:
@@ -80,47 +81,48 @@ def serve_media(worker: Worker, runtime: ModelRuntime, engine: Engine, work: Med
     }
     if switch.phases and runtime.config.engine == "ggml_llama":
         telemetry["tier_switch_phases"] = switch.phases.as_dict()
-    return {"kind": "done", "result": result, "telemetry": telemetry}
+    return Done(result=result, telemetry=telemetry)
 
 
-def _embed(engine: Engine, payload: dict[str, Any], cancel: threading.Event, sink: Any) -> tuple[dict, dict]:
-    vectors, tokens = engine.embed(payload["input"], cancel)
+def _embed(engine: Engine, payload: EmbedWork, cancel: threading.Event, sink: Any) -> tuple[dict, dict]:
+    vectors, tokens = engine.embed(payload.input, cancel)
     for start in range(0, len(vectors), VECTORS_PER_EVENT):
         batch = vectors[start:start + VECTORS_PER_EVENT]
-        sink({"kind": "vectors", "data": [base64.b64encode(v.astype("<f4").tobytes()).decode() for v in batch]})
+        sink(VectorChunk(data=[v.astype("<f4").tobytes() for v in batch]))
     return {"prompt_tokens": tokens}, {}
 
 
-def audio_bytes(payload: dict[str, Any]) -> bytes:
+def audio_bytes(payload: TranscribeWork) -> bytes:
     """The upload: inline base64, or a spool file the web process wrote (removed once read)."""
-    if payload.get("audio_path"):
-        path = Path(payload["audio_path"])
+    if payload.audio_path:
+        path = Path(payload.audio_path)
         try:
             return path.read_bytes()
         finally:
             path.unlink(missing_ok=True)
-    return base64.b64decode(payload["audio"])
+    return base64.b64decode(payload.audio or "")
 
 
-def _transcribe(engine: Engine, payload: dict[str, Any], cancel: threading.Event, sink: Any) -> tuple[dict, dict]:
+def _transcribe(engine: Engine, payload: TranscribeWork, cancel: threading.Event, sink: Any) -> tuple[dict, dict]:
     from inference.engines.audio import TRANSCRIBE_RATE, decode_audio
 
     # The web process sends its limits.max_audio_secs and the request's field for the audio.
-    samples = decode_audio(audio_bytes(payload), max_secs=payload.get("max_audio_secs"),
-                           param=payload.get("audio_param") or "file")
+    samples = decode_audio(audio_bytes(payload), max_secs=payload.max_audio_secs, param=payload.audio_param)
     duration = len(samples) / TRANSCRIBE_RATE
-    result = engine.transcribe(samples, payload, cancel)
+    options = {"language": payload.language, "prompt": payload.prompt, "temperature": payload.temperature,
+               "word_timestamps": payload.word_timestamps}
+    result = engine.transcribe(samples, options, cancel)
     return {**result, "duration_secs": round(duration, 3)}, {"audio_secs": round(duration, 3)}
 
 
-def _speech(engine: Engine, payload: dict[str, Any], cancel: threading.Event, sink: Any) -> tuple[dict, dict]:
+def _speech(engine: Engine, payload: SpeechWork, cancel: threading.Event, sink: Any) -> tuple[dict, dict]:
     """Phrase by phrase, 180 ms of silence between phrases, at 24 kHz. wav and pcm streams send
     each phrase as it is ready (wav behind an open-ended header); anything else is encoded once
     the whole answer exists, then sent."""
     from inference.engines import audio
 
-    fmt = payload["response_format"]
-    streaming = payload.get("stream") and fmt in STREAMABLE_FORMATS
+    fmt = payload.response_format
+    streaming = payload.stream and fmt in STREAMABLE_FORMATS
     started = time.perf_counter()
     first_audio_ms: float | None = None
     kept: list[np.ndarray] = []
@@ -128,14 +130,14 @@ def _speech(engine: Engine, payload: dict[str, Any], cancel: threading.Event, si
 
     def send(data: bytes) -> None:
         for piece in audio.pieces(data, AUDIO_BYTES_PER_EVENT):
-            sink({"kind": "audio", "data": base64.b64encode(piece).decode()})
+            sink(AudioChunk(data=bytes(piece)))
 
     if streaming and fmt == "wav":
         send(audio.wav_header(None))
-    for index, phrase in enumerate(audio.phrases(payload["input"])):
+    for index, phrase in enumerate(audio.phrases(payload.input)):
         if cancel.is_set():
             raise Cancelled("the request was cancelled")
-        samples, rate = engine.synthesize(phrase, payload["voice"], payload["speed"])
+        samples, rate = engine.synthesize(phrase, payload.voice, payload.speed)
         pcm = audio.to_output_rate(samples, rate)
         if index:
             pcm = np.concatenate([audio.silence(), pcm])

@@ -113,7 +113,10 @@ async def test_the_counters_of_several_processes_add_up(shared):
     assert snapshot == await b.snapshot()
     assert snapshot["hypnos_api_key_tokens"][(("key", "k"),)] == {"value": 42.0}
     assert snapshot["hypnos_http_request_latency_ms_max"][(("route", "/v1/x"),)] == {"value": 12.5}
-    assert snapshot["hypnos_chat_ttft_ms"][(("model", "m"),)] == {"count": 1.0, "sum": 30.0}
+    ttft = snapshot["hypnos_chat_ttft_ms"][(("model", "m"),)]
+    # A histogram: 30 ms falls in every bucket from le 50 up, and in +Inf.
+    assert (ttft["count"], ttft["sum"], ttft["le:+Inf"], ttft["le:50"]) == (1.0, 30.0, 1.0, 1.0)
+    assert "le:25" not in ttft
 
 
 async def test_the_views_use_redis_when_distributed(api, settings, shared):

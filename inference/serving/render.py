@@ -1,0 +1,45 @@
+"""The one renderer of an error, in each of the three shapes a route answers in (spec §4, §7.4):
+a JSON envelope with the spec's status, an SSE error chunk then `[DONE]` (a stream whose headers
+are out), or a realtime (WebSocket) error object."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.http import JsonResponse
+
+from hypnos_site.errors import HypnosError
+from logs.record import CallRecord
+
+DONE = "data: [DONE]\n\n"
+
+
+def error_fields(error: HypnosError) -> dict[str, Any]:
+    """The envelope's inner object: message, type, param, code."""
+    return error.body()["error"]  # type: ignore[no-any-return]
+
+
+def json_error(error: HypnosError, record: CallRecord | None = None) -> JsonResponse:
+    if record is not None:
+        record.note_error(error.message, error.type)
+    return error.response()
+
+
+def sse_data(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def sse_error(error: HypnosError, chunk: dict[str, Any], record: CallRecord | None = None) -> str:
+    """`chunk` (the route's last chunk, its finish_reason "error") with the error at its top
+    level, then [DONE]: a client must treat it as a failure although the status was 200."""
+    if record is not None:
+        record.note_error(error.message, error.type)
+    return sse_data({**chunk, "error": error_fields(error)}) + DONE
+
+
+def ws_error(error: HypnosError, record: CallRecord | None = None) -> dict[str, Any]:
+    """The `error` object of a realtime event."""
+    if record is not None:
+        record.note_error(error.message, error.type)
+    return {**error_fields(error), "code": error.code or error.type}

@@ -1,0 +1,306 @@
+"""The typed messages between the web process and the inference worker (vLLM's engine-client
+split: `EngineRequest` in, `EngineEvent`s out).
+
+Everything that crosses between web and worker is one of these: an `EngineRequest` carrying the
+work of one modality, a `ControlRequest` carrying one control operation, and the events the
+worker answers with. The in-process transport hands the objects over as they are; the channel
+layer carries `encode_*` output and rebuilds the objects with `decode_*` (the one serialiser).
+
+Events are slotted dataclasses, not pydantic models, because a streamed chat makes one per
+token: building one costs a few hundred nanoseconds, while the channel layer's validation (a
+pydantic TypeAdapter over the discriminated union) runs only where messages leave the process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from hypnos_site.errors import HypnosError, ServerError
+
+if TYPE_CHECKING:
+    from inference.engines.base import ChatWork
+
+# -- work ------------------------------------------------------------------------------------
+
+
+class _Work(BaseModel):
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+
+class GenerateWork(_Work):
+    """Chat and completions (and /v1/responses): the fields of the engine's ChatWork."""
+
+    kind: Literal["chat"] = "chat"
+    messages: list[dict[str, Any]]
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = []
+    num_ctx: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] = "auto"
+    json_schema: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    raw_prompt: str | None = None
+    images: list[bytes] = []
+    think: bool = False
+    thinking_budget: int | None = None
+    prompt_param: str = "messages"
+    schema_param: str = "response_format"
+
+    def chat_work(self) -> ChatWork:
+        """The engine's ChatWork of these fields (worker side)."""
+        from inference.engines.base import ChatWork
+
+        return ChatWork(**{name: getattr(self, name) for name in _CHAT_FIELDS})
+
+
+_CHAT_FIELDS = tuple(name for name in GenerateWork.model_fields if name != "kind")
+
+
+class EmbedWork(_Work):
+    kind: Literal["embed"] = "embed"
+    input: list[str]
+
+
+class TranscribeWork(_Work):
+    """A transcription: the audio inline (base64) or as a spool file the worker reads and removes."""
+
+    kind: Literal["transcribe"] = "transcribe"
+    audio: str | None = None
+    audio_path: str | None = None
+    language: str | None = None
+    prompt: str | None = None
+    temperature: float = 0.0
+    word_timestamps: bool = False
+    max_audio_secs: float | None = None
+    audio_param: str = "file"
+
+
+class SpeechWork(_Work):
+    kind: Literal["speech"] = "speech"
+    input: str
+    voice: str
+    speed: float = 1.0
+    response_format: str = "wav"
+    stream: bool = False
+
+
+class ImageWork(_Work):
+    """Image generation and upscaling (the image issue fills in the fields)."""
+
+    kind: Literal["image"] = "image"
+    options: dict[str, Any] = {}
+
+
+class DocumentWork(_Work):
+    kind: Literal["document"] = "document"
+    options: dict[str, Any] = {}
+
+
+class EntityWork(_Work):
+    kind: Literal["entities"] = "entities"
+    options: dict[str, Any] = {}
+
+
+Work = Annotated[GenerateWork | EmbedWork | TranscribeWork | SpeechWork | ImageWork | DocumentWork | EntityWork,
+                 Field(discriminator="kind")]
+MediaWorkKind = Literal["embed", "transcribe", "speech"]
+
+
+class EngineRequest(_Work):
+    """One inference request: the model it names, its work, and its scheduling hints."""
+
+    type: Literal["engine"] = "engine"
+    request_id: str
+    model: str
+    work: Work
+    # x-hypnos-deadline-ms: the longest the request may wait before it starts.
+    deadline_ms: float | None = None
+    # x-hypnos-next-model: the model to bring up meanwhile.
+    next_model: str | None = None
+
+    @property
+    def op(self) -> str:
+        return self.work.kind
+
+
+ControlOp = Literal[
+    "status", "memory_status", "move", "set_limits", "kv_park", "enable", "disable", "moe_offload", "fault",
+    "add_model", "replace_model", "remove_model", "update_model",
+]
+
+
+class ControlRequest(_Work):
+    """One control operation of the worker; `args` are the operation's own fields."""
+
+    type: Literal["control"] = "control"
+    request_id: str
+    op: ControlOp
+    args: dict[str, Any] = {}
+
+
+WorkerRequest = Annotated[EngineRequest | ControlRequest, Field(discriminator="type")]
+
+# -- events ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Queued:
+    """Admitted; the worker's estimate of the wait before it starts (x-hypnos-estimated-wait-ms)."""
+
+    kind: Literal["queued"] = "queued"
+    estimated_wait_ms: float | None = None
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Accepted:
+    """Channel layer only: the worker that took the request, where its abort goes."""
+
+    kind: Literal["accepted"] = "accepted"
+    worker_channel: str
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Heartbeat:
+    kind: Literal["heartbeat"] = "heartbeat"
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Started:
+    """The engine runs; every refusal came before this."""
+
+    kind: Literal["started"] = "started"
+    previous_tier: str
+    gpu_layers: int | None = None
+    tier_switch_ms: float | None = None
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Delta:
+    kind: Literal["delta"] = "delta"
+    text: str
+    logprobs: list[dict[str, Any]] | None = None
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Reasoning:
+    kind: Literal["reasoning"] = "reasoning"
+    text: str
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class AudioChunk:
+    kind: Literal["audio"] = "audio"
+    data: bytes
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class VectorChunk:
+    """Embeddings in input order, each little-endian float32 bytes."""
+
+    kind: Literal["vectors"] = "vectors"
+    data: list[bytes]
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Done:
+    """The end of a request: usage and telemetry (hypnos_telemetry, spec §5); `result` for the
+    media work (transcript, speech facts, embedding token count)."""
+
+    kind: Literal["done"] = "done"
+    telemetry: dict[str, Any] = field(default_factory=dict)
+    usage: Usage | None = None
+    finish_reason: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    result: dict[str, Any] | None = None
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Result:
+    """The one answer of a control operation."""
+
+    kind: Literal["result"] = "result"
+    result: Any = None
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Error:
+    """A typed error (hypnos_site.errors) on its way between processes."""
+
+    kind: Literal["error"] = "error"
+    error_class: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+    retry_after: str | None = None
+
+    @classmethod
+    def of(cls, exc: HypnosError) -> Error:
+        return cls(error_class=type(exc).__name__, message=exc.message, param=exc.param, code=exc.code,
+                   retry_after=exc.headers.get("Retry-After"))
+
+    def exception(self) -> HypnosError:
+        """The typed exception this event stands for: the one place an error event turns back
+        into one (an unknown class is a ServerError)."""
+        error = _error_classes().get(self.error_class, ServerError)(self.message, param=self.param, code=self.code)
+        if self.retry_after:
+            error.headers = {**error.headers, "Retry-After": str(self.retry_after)}
+        return error
+
+
+def _error_classes() -> dict[str, type[HypnosError]]:
+    found, todo = {}, [HypnosError]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found[sub.__name__] = sub
+            todo.append(sub)
+    return found
+
+
+EngineEvent = Annotated[
+    Queued | Accepted | Heartbeat | Started | Delta | Reasoning | AudioChunk | VectorChunk | Done | Result | Error,
+    Field(discriminator="kind"),
+]
+TERMINAL = (Done, Error, Result)
+
+# -- the serialiser --------------------------------------------------------------------------
+
+_REQUESTS: TypeAdapter[EngineRequest | ControlRequest] = TypeAdapter(WorkerRequest)
+_EVENTS: TypeAdapter[Any] = TypeAdapter(EngineEvent)
+
+
+def encode_request(request: EngineRequest | ControlRequest) -> dict[str, Any]:
+    """A request as the channel layer carries it (msgpack: bytes stay bytes)."""
+    return request.model_dump()
+
+
+def decode_request(data: dict[str, Any]) -> EngineRequest | ControlRequest:
+    return _REQUESTS.validate_python(data, strict=True)
+
+
+def encode_event(event: Any) -> dict[str, Any]:
+    return _EVENTS.dump_python(event)  # type: ignore[no-any-return]
+
+
+def decode_event(data: dict[str, Any]) -> Any:
+    return _EVENTS.validate_python(data)

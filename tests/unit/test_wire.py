@@ -1,0 +1,81 @@
+"""The typed messages between web and worker and their one serialiser (inference/wire.py)."""
+
+from __future__ import annotations
+
+import typing
+
+import msgpack
+import pytest
+from pydantic import ValidationError
+
+from hypnos_site.errors import ContextLengthExceeded, DeadlineUnmeetable, ServerError
+from inference import wire
+from inference.worker.core import CONTROL_OPS
+from inference.worker.pool import POOL_OPS
+
+EVENTS = [
+    wire.Queued(estimated_wait_ms=12.5),
+    wire.Accepted(worker_channel="hypnos.worker.abc"),
+    wire.Heartbeat(),
+    wire.Started(previous_tier="tier1_gpu_vram", gpu_layers=30, tier_switch_ms=0.0),
+    wire.Delta(text="Hel", logprobs=[{"token": "Hel", "logprob": -0.1, "top_logprobs": []}]),
+    wire.Reasoning(text="hmm"),
+    wire.AudioChunk(data=b"RIFF\x00\x01"),
+    wire.VectorChunk(data=[b"\x00\x00\x80?" * 4]),
+    wire.Done(finish_reason="stop", usage=wire.Usage(prompt_tokens=5, completion_tokens=2, cached_tokens=1),
+              telemetry={"engine": {"ttft_ms": 3.0}}, tool_calls=[{"id": "call_1"}]),
+    wire.Result(result={"models": []}),
+    wire.Error.of(ContextLengthExceeded("too long", param="messages")),
+]
+
+
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: e.kind)
+def test_it_carries_every_event_through_msgpack_unchanged(event):
+    # channels-redis packs messages with msgpack: what the serialiser writes must survive it.
+    packed = msgpack.unpackb(msgpack.packb(wire.encode_event(event), use_bin_type=True), raw=False)
+    assert wire.decode_event(packed) == event
+
+
+def test_it_carries_a_request_per_modality_through_msgpack_unchanged():
+    works = [wire.GenerateWork(messages=[{"role": "user", "content": "hi"}], max_tokens=4, images=[b"\x89PNG"]),
+             wire.EmbedWork(input=["a", "b"]), wire.TranscribeWork(audio="UklGRg==", language="en"),
+             wire.SpeechWork(input="Hello.", voice="alloy"), wire.ImageWork(), wire.DocumentWork(), wire.EntityWork()]
+    for work in works:
+        request = wire.EngineRequest(request_id="req-1", model="m", work=work, deadline_ms=100.0)
+        packed = msgpack.unpackb(msgpack.packb(wire.encode_request(request), use_bin_type=True), raw=False)
+        assert wire.decode_request(packed) == request
+
+
+def test_it_refuses_a_malformed_request():
+    with pytest.raises(ValidationError):
+        wire.decode_request({"type": "engine", "request_id": "r", "model": "m", "work": {"kind": "chat"}})
+    with pytest.raises(ValidationError):
+        wire.decode_request({"type": "control", "request_id": "r", "op": "format_disk"})
+    with pytest.raises(ValidationError):  # strict: a string is no token count
+        wire.GenerateWork(messages=[], max_tokens="4")
+
+
+def test_an_error_event_turns_back_into_its_typed_exception():
+    error = DeadlineUnmeetable("too late")
+    error.headers = {"Retry-After": "3"}
+    again = wire.decode_event(wire.encode_event(wire.Error.of(error))).exception()
+    assert type(again) is DeadlineUnmeetable and again.message == "too late"
+    assert again.headers["Retry-After"] == "3" and again.status == 503
+    context = wire.Error.of(ContextLengthExceeded("long", param="prompt")).exception()
+    assert (context.status, context.code, context.param) == (400, "context_length_exceeded", "prompt")
+    unknown = wire.Error(error_class="NoSuchError", message="x").exception()
+    assert type(unknown) is ServerError
+
+
+def test_the_control_ops_are_the_workers():
+    assert set(typing.get_args(wire.ControlOp)) == set(CONTROL_OPS) | set(POOL_OPS)
+
+
+def test_the_chat_work_has_every_field_of_the_engines():
+    from dataclasses import fields
+
+    from inference.engines.base import ChatWork
+
+    work = wire.GenerateWork(messages=[], max_tokens=3, raw_prompt="Once", prompt_param="prompt").chat_work()
+    assert isinstance(work, ChatWork) and work.raw_prompt == "Once" and work.prompt_param == "prompt"
+    assert {f.name for f in fields(ChatWork)} - set(wire.GenerateWork.model_fields) == {"prepared"}

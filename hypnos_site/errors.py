@@ -1,8 +1,8 @@
 """The one choke point for errors: typed exceptions and their mapping to the spec's envelope.
 
-Engines and the worker raise these; they travel between processes as plain dicts
-(`as_event` / `from_event`); the DRF exception handler and the stream writer render them as
-`{"error": {"message", "type", "param", "code"}}` (compat.md) with the spec's status.
+Engines and the worker raise these; they travel between processes as inference.wire's `Error`
+event (`Error.of` / `Error.exception`); the DRF exception handler and inference/serving/render.py
+write them as `{"error": {"message", "type", "param", "code"}}` (compat.md) with the spec's status.
 """
 
 from __future__ import annotations
@@ -44,24 +44,6 @@ class HypnosError(Exception):
         for name, value in self.headers.items():
             response[name] = value
         return response
-
-    def as_event(self) -> dict[str, Any]:
-        return {
-            "kind": "error",
-            "error_class": type(self).__name__,
-            "message": self.message,
-            "param": self.param,
-            "code": self.code,
-            "retry_after": self.headers.get("Retry-After"),
-        }
-
-    @staticmethod
-    def from_event(event: dict[str, Any]) -> HypnosError:
-        cls = _BY_NAME.get(event.get("error_class", ""), ServerError)
-        error = cls(event.get("message", "inference failed"), param=event.get("param"), code=event.get("code"))
-        if event.get("retry_after"):
-            error.headers = {**error.headers, "Retry-After": str(event["retry_after"])}
-        return error
 
 
 class InvalidRequest(HypnosError):
@@ -179,15 +161,6 @@ class ServerError(HypnosError):
     status = 500
     type = "server_error"
 
-
-def _subclasses(cls: type[HypnosError]) -> list[type[HypnosError]]:
-    found = []
-    for sub in cls.__subclasses__():
-        found += [sub, *_subclasses(sub)]
-    return found
-
-
-_BY_NAME = {cls.__name__: cls for cls in _subclasses(HypnosError)}
 
 STILL_STAGING = (
     "Hypnos is still pre-staging its startup models; retry shortly "

@@ -1,9 +1,9 @@
-"""What an inference call said and answered, read from the request and the response only.
+"""What the request log keeps of an inference call, read from the request.
 
 Plain logic, no database: which routes are inference calls, the text a call's input holds, the
-usage, telemetry, error and output of a JSON or SSE response, the levels of spec §15 and the
-operator's redaction. logs.middleware feeds it; the quota charge, the metrics and the request
-log entry all come from the same reading.
+levels of spec §15, the operator's redaction and the capped text fields. What the call answered
+(usage, telemetry, error, output) is in its record (logs.record.CallRecord), never read back
+from the response's bytes.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ MAX_TEXT_CHARS = 32_768
 REDACTED = "[redacted]"
 # The finish_reason of a stream the client closed before its end.
 CANCELLED = "cancelled"
-# A /v1/responses body's terminal statuses, which stand for its finish_reason in the log.
-RESPONSE_END_STATUSES = ("completed", "incomplete", "failed")
 
 # The token-counting routes (spec and compat.md) under /v1 and /api/v1; a POST to one of them is
 # an inference call: it is counted against the key's limits and recorded in the request log.
@@ -134,128 +132,3 @@ class CapturedText:
 
     def text(self) -> str:
         return "".join(self.parts)
-
-
-@dataclass
-class ResponseReading:
-    """Usage, telemetry, error, finish reason and output of one response, read as its body
-    goes by. `deltas` counts the generated pieces a stream delivered (answer and thoughts):
-    the worker streams one per token, so it stands for the completion tokens of a stream that
-    ended before its usage chunk."""
-
-    usage: dict[str, Any] | None = None
-    telemetry: dict[str, Any] | None = None
-    error: str | None = None
-    error_type: str | None = None
-    finish_reason: str | None = None
-    output: CapturedText = field(default_factory=CapturedText)
-    payload: CapturedText = field(default_factory=CapturedText)
-    deltas: int = 0
-    _pending: bytes = b""
-
-    def read_json(self, raw: bytes) -> None:
-        """A whole JSON body (a non-streaming answer or an error)."""
-        self.payload.add(raw.decode("utf-8", errors="replace"))
-        body = json_body(raw)
-        if isinstance(body, dict):
-            self._read_document(body)
-            for choice in body.get("choices") or []:
-                self._read_finish(choice)
-                message = choice.get("message") if isinstance(choice, dict) else None
-                if isinstance(message, dict):
-                    self.output.add(_content_text(message.get("content")))
-                elif isinstance(choice, dict) and isinstance(choice.get("text"), str):
-                    self.output.add(choice["text"])
-            if isinstance(body.get("output_text"), str):
-                self.output.add(body["output_text"])
-            if isinstance(body.get("text"), str):
-                self.output.add(body["text"])
-
-    def feed_sse(self, chunk: bytes | str) -> None:
-        """A piece of an SSE body; events are read whole, however the pieces are cut."""
-        data = chunk.encode() if isinstance(chunk, str) else chunk
-        self.payload.add(data.decode("utf-8", errors="replace"))
-        self._pending += data
-        *events, self._pending = self._pending.replace(b"\r\n", b"\n").split(b"\n\n")
-        for event in events:
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    self._read_event(line[5:].strip())
-
-    def _read_event(self, data: bytes) -> None:
-        event = json_body(data) if data != b"[DONE]" else None
-        if not isinstance(event, dict):
-            return
-        self._read_document(event)
-        if isinstance(event.get("response"), dict):
-            self._read_document(event["response"])
-        if event.get("type") == "response.output_text.delta" and isinstance(event.get("delta"), str):
-            self.deltas += 1
-            self.output.add(event["delta"])
-        elif event.get("type") == "response.reasoning_text.delta" and event.get("delta"):
-            self.deltas += 1
-        for choice in event.get("choices") or []:
-            if not isinstance(choice, dict):
-                continue
-            self._read_finish(choice)
-            delta = choice.get("delta")
-            text = _content_text(delta.get("content")) if isinstance(delta, dict) else choice.get("text")
-            if isinstance(text, str) and text:
-                self.deltas += 1
-                self.output.add(text)
-            elif isinstance(delta, dict) and delta.get("reasoning_content"):
-                self.deltas += 1
-
-    def _read_finish(self, choice: Any) -> None:
-        if isinstance(choice, dict) and isinstance(choice.get("finish_reason"), str):
-            self.finish_reason = choice["finish_reason"]
-
-    def _read_document(self, doc: dict[str, Any]) -> None:
-        if isinstance(doc.get("usage"), dict):
-            self.usage = doc["usage"]
-        if isinstance(doc.get("hypnos_telemetry"), dict):
-            self.telemetry = doc["hypnos_telemetry"]
-        if doc.get("object") == "response" and doc.get("status") in RESPONSE_END_STATUSES:
-            self.finish_reason = doc["status"]
-        error = doc.get("error")
-        if isinstance(error, dict):
-            self.error = str(error.get("message") or error.get("type") or "error")
-            self.error_type = error.get("type")
-
-    # -- what was read -------------------------------------------------------------------------
-
-    def tokens(self) -> tuple[int | None, int | None, int | None]:
-        """Prompt, completion and cached tokens as the response's usage states them."""
-        usage = self.usage or {}
-        prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
-        completion = usage.get("completion_tokens", usage.get("output_tokens"))
-        if prompt is not None and completion is None:
-            completion = 0
-        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-        cached = details.get("cached_tokens", usage.get("cached_tokens"))
-        return _int_or_none(prompt), _int_or_none(completion), _int_or_none(cached)
-
-    def charged_tokens(self) -> int:
-        """Prompt plus completion tokens; a stream cut before its usage chunk is charged its
-        delivered deltas (about one token each)."""
-        prompt, completion, _ = self.tokens()
-        if prompt is None:
-            return self.deltas
-        return prompt + (completion or 0)
-
-    def engine(self) -> dict[str, Any]:
-        return (self.telemetry or {}).get("engine") or {}
-
-    def tokens_per_s(self) -> float | None:
-        rate = self.engine().get("decode_tokens_per_s")
-        if rate is not None:
-            return float(rate)
-        _, completion, _ = self.tokens()
-        inference_ms = (self.telemetry or {}).get("inference_latency_ms")
-        if completion and inference_ms:
-            return round(completion / (inference_ms / 1000), 1)
-        return None
-
-
-def _int_or_none(value: Any) -> int | None:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

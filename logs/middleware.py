@@ -29,8 +29,8 @@ from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
 from django.http.request import RawPostDataException
 from redis.exceptions import RedisError
 
-from hypnos_site.metrics import Observation, get_counters, observation
 from hypnos_site.errors import HypnosError, ModelNotAvailable, PermissionDenied, RateLimited
+from hypnos_site.metrics import Observation, get_counters, observation
 from logs.capture import (
     CANCELLED,
     CapturedText,

@@ -2,12 +2,13 @@ from __future__ import annotations
 
 import json
 
-from hypnos_site.errors import AuthenticationError, HypnosError, ModelBusy, ModelNotAvailable, ModelNotFound
+from hypnos_site.errors import AuthenticationError, ModelBusy, ModelNotAvailable, ModelNotFound
+from inference import wire
 
 
 def test_an_error_crosses_the_transport_with_its_class():
-    event = ModelNotFound("no such model", param="model").as_event()
-    again = HypnosError.from_event(json.loads(json.dumps(event)))
+    event = wire.encode_event(wire.Error.of(ModelNotFound("no such model", param="model")))
+    again = wire.decode_event(json.loads(json.dumps(event))).exception()
     assert type(again) is ModelNotFound
     assert again.body() == {
         "error": {"message": "no such model", "type": "model_not_found", "param": "model", "code": "model_not_found"}
@@ -15,7 +16,7 @@ def test_an_error_crosses_the_transport_with_its_class():
 
 
 def test_an_unknown_error_class_becomes_a_server_error():
-    again = HypnosError.from_event({"kind": "error", "error_class": "Nope", "message": "x"})
+    again = wire.decode_event({"kind": "error", "error_class": "Nope", "message": "x"}).exception()
     assert again.status == 500 and again.type == "server_error"
 
 

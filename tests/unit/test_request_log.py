@@ -1,5 +1,5 @@
-"""What the request log reads from a call: routes, levels, redaction, input text, and the usage,
-telemetry, error and output of JSON and SSE responses."""
+"""What the request log reads from a call: routes, levels, redaction, input text, and the call's
+record (usage, telemetry, error, the charge)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import pytest
 from hypnos_site.errors import InvalidRequest
 from logs.capture import (
     MAX_TEXT_CHARS,
+    CapturedText,
     Redactor,
-    ResponseReading,
     entry_level,
     inference_route,
     input_text,
     is_kept,
 )
+from logs.record import CallRecord
 from logs.store import LogQuery
 
 USAGE = {"prompt_tokens": 31, "completion_tokens": 7, "total_tokens": 38, "prompt_tokens_details": {"cached_tokens": 4}}
@@ -66,54 +67,39 @@ def test_the_input_is_the_messages_prompt_or_input_text():
     assert input_text({"input": [1, 2, 3]}) is None and input_text("nope") is None
 
 
-def test_a_json_answer_gives_usage_telemetry_and_output():
-    reading = ResponseReading()
-    reading.read_json(json.dumps({"choices": [{"message": {"role": "assistant", "content": "Paris."}}],
-                                  "usage": USAGE, "hypnos_telemetry": TELEMETRY}).encode())
-    assert reading.tokens() == (31, 7, 4)
-    assert reading.charged_tokens() == 38
-    assert reading.output.text() == "Paris." and reading.error is None
-    assert reading.tokens_per_s() == 58.2
+def test_a_record_gives_usage_telemetry_and_the_charge():
+    record = CallRecord(model="smollm2-135m", work="chat")
+    record.note_usage(31, 7, 4)
+    record.note_telemetry(TELEMETRY)
+    assert (record.tokens_in, record.tokens_out, record.cached_tokens) == (31, 7, 4)
+    assert record.charged_tokens() == 38 and record.tokens_per_s() == 58.2
+    assert record.error is None and record.rtf is None
 
 
-def test_an_sse_stream_cut_anywhere_is_read_whole():
-    body = sse(chunk("", role="assistant"), chunk("The"), chunk(" capital"),
-               chunk(usage=USAGE, hypnos_telemetry=TELEMETRY), "[DONE]")
-    reading = ResponseReading()
-    for i in range(0, len(body), 7):
-        reading.feed_sse(body[i:i + 7])
-    assert reading.output.text() == "The capital" and reading.deltas == 2
-    assert reading.usage == USAGE and reading.telemetry == TELEMETRY
-    assert reading.payload.text() == body.decode()
+def test_a_record_cut_before_its_usage_is_charged_its_deltas():
+    record = CallRecord()
+    record.deltas = 3
+    assert record.charged_tokens() == 3 and record.tokens_per_s() is None
 
 
-def test_an_error_chunk_and_an_error_body_are_read_as_errors():
-    reading = ResponseReading()
-    reading.feed_sse(sse(chunk("Hel"), chunk(error={"message": "decode failed", "type": "server_error"}), "[DONE]"))
-    assert (reading.error, reading.error_type) == ("decode failed", "server_error")
-    refused = ResponseReading()
-    refused.read_json(b'{"error": {"message": "busy", "type": "model_busy", "param": null, "code": "model_busy"}}')
-    assert refused.error_type == "model_busy" and refused.tokens() == (None, None, None)
+def test_the_first_error_noted_is_the_calls():
+    record = CallRecord()
+    record.note_error("decode failed", "server_error")
+    record.note_error("the client disconnected", None)
+    assert (record.error, record.error_type) == ("decode failed", "server_error")
 
 
-def test_a_stream_without_usage_is_charged_its_deltas():
-    reading = ResponseReading()
-    reading.feed_sse(sse(chunk("a"), chunk("b"), chunk("c")))
-    assert reading.charged_tokens() == 3
-
-
-def test_the_responses_api_shapes_are_read_too():
-    reading = ResponseReading()
-    reading.feed_sse(b"event: response.output_text.delta\n" + sse({"type": "response.output_text.delta", "delta": "Hi"}))
-    reading.feed_sse(sse({"type": "response.completed",
-                          "response": {"usage": {"input_tokens": 9, "output_tokens": 2, "total_tokens": 11}}}))
-    assert reading.output.text() == "Hi" and reading.tokens() == (9, 2, None) and reading.charged_tokens() == 11
+def test_speech_telemetry_gives_the_real_time_factor_and_first_audio():
+    record = CallRecord(work="speech")
+    record.note_telemetry({"engine": {"audio_secs": 2.5, "rtf": 0.21, "ttfa_ms": 80.0}})
+    assert (record.audio_secs, record.rtf, record.ttfa_ms) == (2.5, 0.21, 80.0)
 
 
 def test_captured_text_stops_at_the_cap_and_says_so():
-    reading = ResponseReading()
-    reading.feed_sse(sse(*[chunk("x" * 1000) for _ in range(MAX_TEXT_CHARS // 1000 + 2)]))
-    assert len(reading.output.text()) == MAX_TEXT_CHARS and reading.output.truncated
+    text = CapturedText()
+    for _ in range(MAX_TEXT_CHARS // 1000 + 2):
+        text.add("x" * 1000)
+    assert len(text.text()) == MAX_TEXT_CHARS and text.truncated
 
 
 def test_the_log_filters_are_checked():

@@ -32,9 +32,10 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from hypnos_site.errors import EngineTimeout, HypnosError, ModelNotAvailable, ServerError
+from hypnos_site.errors import EngineTimeout, HypnosError, InvalidRequest, ModelNotAvailable, ServerError
 from inference.wire import (
     TERMINAL,
     Accepted,
@@ -223,7 +224,13 @@ class InferenceClient:
     async def control(self, op: ControlOp, args: dict[str, Any] | None = None) -> Any:
         """A control operation of the worker (status, memory_status, move): its one result.
         One that takes longer than limits.request_timeout_secs (a load that hangs) is a 504."""
-        call = await self.transport.submit(ControlRequest(request_id=new_request_id(), op=op, args=args or {}))
+        try:
+            request = ControlRequest(request_id=new_request_id(), op=op, args=args or {})
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            param = ".".join(str(p) for p in error["loc"]) or None
+            raise InvalidRequest(f"Invalid value for {param or op}: {error['msg']}", param=param) from exc
+        call = await self.transport.submit(request)
         timeout = request_timeout_secs()
         try:
             event = await asyncio.wait_for(call.next_event(), timeout)

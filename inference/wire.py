@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from hypnos_site.errors import HypnosError, ServerError
 
@@ -139,13 +139,74 @@ ControlOp = Literal[
 ]
 
 
+class NoArgs(_Work):
+    pass
+
+
+class ModelArgs(_Work):
+    """enable, disable: the model they act on."""
+
+    model: str
+
+
+class MoveArgs(ModelArgs):
+    target_tier: Literal["tier1_gpu_vram", "tier2_pinned_ram", "tier3_nvme_ssd"]
+    context_len: int | None = None
+
+
+class MoeOffloadArgs(ModelArgs):
+    # Checked by the worker: an unknown mode is 422 (spec §6).
+    mode: str
+
+
+class KvParkArgs(_Work):
+    enabled: bool | None = None
+    max_bytes: int | None = None
+
+
+class SetLimitsArgs(_Work):
+    max_loaded_models: int | None = None
+
+
+class FaultArgs(_Work):
+    request_id: str
+
+
+class AddModelArgs(_Work):
+    config: dict[str, Any]
+
+
+class RemoveModelArgs(ModelArgs):
+    drain_secs: float = 120.0
+
+
+class ChangeModelArgs(RemoveModelArgs):
+    """replace_model, update_model: the model's new config block."""
+
+    config: dict[str, Any]
+
+
+CONTROL_ARGS: dict[str, type[_Work]] = {
+    "status": NoArgs, "memory_status": NoArgs, "move": MoveArgs, "set_limits": SetLimitsArgs, "kv_park": KvParkArgs,
+    "enable": ModelArgs, "disable": ModelArgs, "moe_offload": MoeOffloadArgs, "fault": FaultArgs,
+    "add_model": AddModelArgs, "replace_model": ChangeModelArgs, "update_model": ChangeModelArgs,
+    "remove_model": RemoveModelArgs,
+}
+
+
 class ControlRequest(_Work):
-    """One control operation of the worker; `args` are the operation's own fields."""
+    """One control operation of the worker; `args` are the operation's own fields, checked
+    against its CONTROL_ARGS model wherever a request is made or received."""
 
     type: Literal["control"] = "control"
     request_id: str
     op: ControlOp
     args: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _typed_args(self) -> ControlRequest:
+        CONTROL_ARGS[self.op].model_validate(self.args)
+        return self
 
 
 WorkerRequest = Annotated[EngineRequest | ControlRequest, Field(discriminator="type")]

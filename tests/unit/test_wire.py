@@ -79,3 +79,27 @@ def test_the_chat_work_has_every_field_of_the_engines():
     work = wire.GenerateWork(messages=[], max_tokens=3, raw_prompt="Once", prompt_param="prompt").chat_work()
     assert isinstance(work, ChatWork) and work.raw_prompt == "Once" and work.prompt_param == "prompt"
     assert {f.name for f in fields(ChatWork)} - set(wire.GenerateWork.model_fields) == {"prepared"}
+
+
+def test_a_control_op_takes_only_its_own_typed_args():
+    move = wire.ControlRequest(request_id="r", op="move", args={"model": "m", "target_tier": "tier2_pinned_ram"})
+    assert wire.decode_request(wire.encode_request(move)) == move
+    for op, args in [("move", {"model": "m", "target_tier": "tier9"}), ("enable", {}),
+                     ("kv_park", {"max_bytes": "lots"}), ("remove_model", {"model": "m", "drain": 1}),
+                     ("status", {"verbose": True})]:
+        with pytest.raises(ValidationError):
+            wire.ControlRequest(request_id="r", op=op, args=args)
+    assert set(wire.CONTROL_ARGS) == set(typing.get_args(wire.ControlOp))
+
+
+async def test_the_client_refuses_bad_control_args_as_a_400():
+    from hypnos_site.errors import InvalidRequest
+    from inference.client import InferenceClient
+
+    class Unreachable:
+        async def submit(self, request):  # type: ignore[no-untyped-def]
+            raise AssertionError("a refused control op must not reach a transport")
+
+    with pytest.raises(InvalidRequest) as refused:
+        await InferenceClient(Unreachable()).control("move", {"model": "m", "target_tier": "tier9"})  # type: ignore[arg-type]
+    assert refused.value.param == "target_tier" and refused.value.status == 400

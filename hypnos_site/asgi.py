@@ -14,11 +14,11 @@ django_application = get_asgi_application()
 from django.conf import settings  # noqa: E402
 
 if settings.HYPNOS.server.deployment == "embedded":
-    from inference.worker import get_embedded_worker
+    from inference.runtime import runtime
     from models_registry.overlay import with_overlay
 
     # The pool: the config file's models with the run-time changes kept in the database.
-    get_embedded_worker(with_overlay(settings.HYPNOS))
+    runtime.embedded_worker(with_overlay(settings.HYPNOS))
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 

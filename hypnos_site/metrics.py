@@ -355,7 +355,7 @@ def django_registry() -> prometheus_client.CollectorRegistry:
 
 
 async def worker_status() -> dict[str, Any] | None:
-    from inference.client import get_client
+    from inference.runtime import get_client
 
     try:
         return await asyncio.wait_for(get_client().control("memory_status"), WORKER_STATUS_TIMEOUT_SECS)

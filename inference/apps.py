@@ -19,13 +19,13 @@ class ServingPool:
         return pool.models()
 
     async def add_model(self, body: dict[str, Any]) -> dict[str, Any]:
-        from inference.client import get_client
+        from inference.runtime import get_client
         from inference.serving.pool import add_model
 
         return await add_model(get_client(), body)
 
     async def remove_model(self, model_id: str, drain_secs: object) -> dict[str, Any]:
-        from inference.client import get_client
+        from inference.runtime import get_client
         from inference.serving.pool import remove_model
 
         return await remove_model(get_client(), model_id, drain_secs)

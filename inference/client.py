@@ -378,24 +378,3 @@ async def _guarded(operation: Awaitable[Any]) -> Any:
         return await operation
     except (OSError, RedisError) as exc:
         raise ModelNotAvailable(f"The channel layer is unreachable: {type(exc).__name__}: {exc}") from exc
-
-
-_client: InferenceClient | None = None
-
-
-def get_client() -> InferenceClient:
-    """The process's client, on the transport its deployment uses."""
-    global _client
-    if _client is None:
-        from django.conf import settings
-
-        if settings.HYPNOS.server.deployment == "distributed":
-            from channels.layers import get_channel_layer
-
-            transport: Transport = ChannelLayerTransport(get_channel_layer(), settings.HYPNOS.server.worker_ack_timeout_secs)
-        else:
-            from inference.worker import get_embedded_worker
-
-            transport = InProcessTransport(get_embedded_worker())
-        _client = InferenceClient(transport)
-    return _client

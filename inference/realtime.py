@@ -30,7 +30,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.urls import path
 
-from inference.client import get_client
+from inference.runtime import get_client
 from hypnos_site.errors import HypnosError, ServerError
 from inference.protocol_media import TranscriptionRequest
 from inference.serving.context import RequestContext

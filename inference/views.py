@@ -11,7 +11,7 @@ from rest_framework.request import Request
 
 from hypnos_site import __version__
 from inference import latency
-from inference.client import get_client
+from inference.runtime import get_client
 from hypnos_site.errors import InvalidRequest, NotFound
 from inference.parsers import JSONParser, MultiPartParser
 from inference.protocol import (

@@ -21,8 +21,14 @@ from hypnos_site.errors import HypnosError, InvalidRequest
 from inference.client import InferenceCall, InferenceClient
 from inference.protocol import parse_body
 from inference.protocol_media import SpeechRequest, TranscriptionRequest
-from inference.serving.chat import check_prompt_chars, request_timed_out
-from inference.serving.context import RequestContext, resolve_model, start_call, with_wait_estimate
+from inference.serving.context import (
+    RequestContext,
+    check_prompt_chars,
+    request_timed_out,
+    resolve_model,
+    start_call,
+    with_wait_estimate,
+)
 from inference.wire import AudioChunk, Done, SpeechWork, TranscribeWork
 
 INLINE_AUDIO_BYTES = 512 << 10

@@ -19,8 +19,15 @@ from hypnos_site.errors import HypnosError, InvalidRequest
 from inference.client import InferenceCall, InferenceClient
 from inference.grammar_limits import check_schema, check_tools
 from inference.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
-from inference.serving import image_input
-from inference.serving.context import RequestContext, resolve_model, start_call, with_wait_estimate
+from inference.serving import image_input, voice
+from inference.serving.context import (
+    RequestContext,
+    check_prompt_chars,
+    request_timed_out,
+    resolve_model,
+    start_call,
+    with_wait_estimate,
+)
 from inference.serving.pool import pool
 from inference.serving.render import DONE, sse_error
 from inference.wire import Delta, Done, GenerateWork, Reasoning, Usage
@@ -34,12 +41,6 @@ MEDIA_MODALITY = {"image_url": "vision", "input_audio": "speech_to_text"}
 def find_model(name: str) -> ModelConfig:
     """The pool's model that `name` (an id or an alias) stands for; 404 model_not_found."""
     return pool.find(name)
-
-
-def check_prompt_chars(chars: int, param: str) -> None:
-    limit = settings.HYPNOS.limits.max_prompt_chars
-    if chars > limit:
-        raise InvalidRequest(f"The input holds {chars} characters, above limits.max_prompt_chars ({limit}).", param=param)
 
 
 def model_defaults(body: BaseModel, model: ModelConfig, *names: str) -> dict[str, Any]:
@@ -128,8 +129,6 @@ async def load_images(body: ChatCompletionRequest) -> list[bytes]:
 
 
 async def create_chat_completion(client: InferenceClient, body: ChatCompletionRequest, ctx: RequestContext) -> HttpResponse:
-    from inference.serving import voice
-
     model = await resolve_model(client, body.model, ctx)
     timeout = settings.HYPNOS.limits.request_timeout_secs
     completion_id = "chatcmpl-" + uuid.uuid4().hex
@@ -147,13 +146,6 @@ async def create_chat_completion(client: InferenceClient, body: ChatCompletionRe
         return with_wait_estimate(JsonResponse(await asyncio.wait_for(_chat_json(call, completion_id, body), timeout)), call)
     except TimeoutError:
         return request_timed_out(timeout)
-
-
-def request_timed_out(timeout: float) -> HttpResponse:
-    """408 in plain text, as the timeout layer of the spec answers (§4)."""
-    return HttpResponse(
-        f"request_timeout_secs ({timeout:g} s) elapsed", status=408, content_type="text/plain; charset=utf-8"
-    )
 
 
 def usage_of(usage: Usage | None) -> dict[str, Any]:

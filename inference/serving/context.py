@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from django.http import HttpRequest, HttpResponseBase
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
 
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import InvalidRequest
@@ -66,3 +67,18 @@ def with_wait_estimate(response: HttpResponseBase, call: InferenceCall) -> HttpR
     if call.estimated_wait_ms is not None:
         response["x-hypnos-estimated-wait-ms"] = f"{call.estimated_wait_ms:.0f}"
     return response
+
+
+def check_prompt_chars(chars: int, param: str) -> None:
+    """400 naming `param` when the request's text is longer than limits.max_prompt_chars."""
+    limit = settings.HYPNOS.limits.max_prompt_chars
+    if chars > limit:
+        raise InvalidRequest(f"The input holds {chars} characters, above limits.max_prompt_chars ({limit}).",
+                             param=param)
+
+
+def request_timed_out(timeout: float) -> HttpResponse:
+    """408 in plain text, as the timeout layer of the spec answers (§4)."""
+    return HttpResponse(
+        f"request_timeout_secs ({timeout:g} s) elapsed", status=408, content_type="text/plain; charset=utf-8"
+    )

@@ -16,6 +16,7 @@ from django.conf import settings
 
 from hypnos_site.config import ModelConfig
 from inference.client import InferenceClient, InProcessTransport
+from inference.runtime import runtime
 from hypnos_site.errors import InvalidRequest, ModelNotFound
 from models_registry import options as model_options
 from models_registry.catalog import Catalog, catalog_path, load_catalog
@@ -74,13 +75,7 @@ pool = PoolView()
 
 def _in_process_worker() -> Any:
     """The worker the process's client talks to in-process (embedded deployment), if any."""
-    from inference import client as client_module
-    from inference import worker as worker_module
-
-    current = client_module._client
-    if current is None:
-        return worker_module._worker
-    return current.transport.worker if isinstance(current.transport, InProcessTransport) else None
+    return runtime.in_process_worker()
 
 
 def _catalog() -> Catalog | None:

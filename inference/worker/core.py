@@ -14,28 +14,21 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
-from hypnos_site.config import HypnosConfig, ModelConfig
-from inference.engines.base import ChatWork, Engine
+from hypnos_site.config import HypnosConfig
 from hypnos_site.errors import (
     STILL_STAGING,
-    Cancelled,
     DeadlineUnmeetable,
     DeviceOutOfMemory,
     HypnosError,
-    InsufficientMemory,
     InvalidRequest,
     ModelBusy,
-    ModelDisabled,
     ModelNotAvailable,
-    ModelNotFound,
     ServerError,
 )
+from inference.engines.base import ChatWork, Engine
 from inference.wire import (
     ControlRequest,
     Delta,
@@ -50,18 +43,17 @@ from inference.wire import (
     Usage,
 )
 from inference.worker.media import MEDIA_OPS, MediaWork, media_work, serve_media
-from inference.worker.pool import POOL_OPS, PoolChanging, change_pool, resubmit_after_change
+from inference.worker.pool import POOL_OPS, PoolChanges, PoolChanging, resubmit_after_change
+from inference.worker.runtime import Event, Lease, ModelRuntime, ModelTable, Sink
 from inference.worker.status import StatusReports
 from inference.worker.tier_moves import TierMoves
 from memory.device import HardwareLimits, probe_device
 from memory.kv_park import KvParking
 from memory.manager import TierManager
-from memory.tiers import MemoryTier
+from memory.tiers import MemoryTier, Placement
 
 log = logging.getLogger(__name__)
 
-Event = Any  # an inference.wire event
-Sink = Callable[[Event], None]
 # How often a request waiting for a slot looks at its cancel flag.
 SLOT_POLL_SECS = 0.05
 MIN_CONTEXT = 2048
@@ -69,95 +61,9 @@ MIN_CONTEXT = 2048
 IMAGE_CONTEXT_TOKENS = 576
 CONTROL_OPS = ("status", "memory_status", "move", "set_limits", "kv_park", "enable", "disable", "moe_offload",
                "fault")
-# An eviction of a model whose abandoned request is still in the engine waits this long for the
-# engine to reach its next token (or step) and stop.
-ENGINE_STOP_SECS = 30.0
 # `fault` (a real native crash in a running request's thread, for the supervisor's tests)
 # exists only when the worker runs with this set to 1.
 FAULT_INJECTION_ENV = "HYPNOS_FAULT_INJECTION"
-
-
-@dataclass
-class ModelRuntime:
-    """One model of the pool: its engine (created on first use) and its admission counters."""
-
-    config: ModelConfig
-    engine: Engine | None = None
-    load_lock: threading.Lock = field(default_factory=threading.Lock)
-    slots: threading.BoundedSemaphore = field(init=False)
-    admitted: int = 0
-    loads: int = 0
-    load_failures: int = 0
-    problem: str | None = None
-    # Average time a request holds the model (moving average), once measured.
-    service_ms: float | None = None
-    # Switched by POST /v1/models/{id}/enable|disable; starts as the config says.
-    enabled: bool = field(init=False)
-    # Set while the model is being replaced or removed: new requests wait for it (worker/pool.py).
-    change_done: threading.Event | None = None
-    # Requests inside the engine's generation now, abandoned ones included (their lease is
-    # already released): the engine is not unloaded or changed until they are out.
-    engine_users: int = 0
-    engine_idle: threading.Condition = field(default_factory=threading.Condition)
-
-    def __post_init__(self) -> None:
-        # Requests that may run at once: the model's execution slots.
-        self.slots = threading.BoundedSemaphore(self.config.slots)
-        self.enabled = self.config.enabled
-
-    def wait_engine_idle(self, timeout: float = ENGINE_STOP_SECS) -> None:
-        """Until no request is inside the engine; 507 when an abandoned one does not stop."""
-        with self.engine_idle:
-            if not self.engine_idle.wait_for(lambda: self.engine_users == 0, timeout):
-                raise InsufficientMemory(
-                    f"The model {self.config.id!r} is still stopping an abandoned request; retry shortly.")
-
-    def note_service(self, ms: float) -> None:
-        self.service_ms = ms if self.service_ms is None else 0.7 * self.service_ms + 0.3 * ms
-
-
-class _Lease:
-    """A request's lease on its model. Released once: when the request ends, or at once when
-    the request is abandoned while the engine generates (the engine stops at its next token;
-    evicting the model meanwhile waits for that: ModelRuntime.wait_engine_idle)."""
-
-    def __init__(self, tiers: TierManager, runtime: ModelRuntime, cancel: threading.Event):
-        self.tiers, self.runtime, self.cancel = tiers, runtime, cancel
-        self._held = True
-        self._generating = False
-        self._lock = threading.Lock()
-
-    def release(self) -> None:
-        with self._lock:
-            held, self._held = self._held, False
-        if held:
-            self.tiers.release(self.runtime.config.id)
-
-    def abandon(self) -> None:
-        with self._lock:
-            early = self._generating
-        if early:
-            self.release()
-
-    @contextmanager
-    def generating(self) -> Iterator[None]:
-        """The engine call: counted in the model's engine users; a request cancelled before it
-        does not enter (Cancelled)."""
-        runtime = self.runtime
-        with self._lock:
-            if self.cancel.is_set():
-                raise Cancelled("the request was cancelled")
-            self._generating = True
-            with runtime.engine_idle:
-                runtime.engine_users += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._generating = False
-            with runtime.engine_idle:
-                runtime.engine_users -= 1
-                runtime.engine_idle.notify_all()
 
 
 def _changes_placement(op: str, payload: dict[str, Any]) -> bool:
@@ -182,8 +88,10 @@ def hardware_limits(config: HypnosConfig) -> HardwareLimits:
     return HardwareLimits.of(config.hardware)
 
 
-class Worker(TierMoves, StatusReports):
-    """Admission, leases, single-flight loads and tier moves for the configured models."""
+class Worker:
+    """Admission, leases and the request path for the configured models; built from the parts
+    it owns: the model table (runtime.py), the tier moves (tier_moves.py), the pool changes
+    (pool.py) and the status reports (status.py)."""
 
     def __init__(self, config: HypnosConfig):
         self.config = config
@@ -191,27 +99,46 @@ class Worker(TierMoves, StatusReports):
         self.tiers = TierManager(self.device, hardware_limits(config))
         self.kv_parking = KvParking(config.hardware.kv_park, config.hardware.kv_park_max_bytes,
                                     config.server.kv_idle_timeout_secs)
-        self.models: dict[str, ModelRuntime] = {}
-        self.names: dict[str, str] = {}
-        for model in config.models:
-            self.models[model.id] = ModelRuntime(config=model)
-            for name in [model.id, *model.aliases]:
-                self.names[name] = model.id
+        self.table = ModelTable(config.models)
+        # The admission counters (ModelRuntime.admitted, change_done).
         self._lock = threading.Lock()
-        # One pool change (add, replace, remove) at a time updates `models` and `names`.
-        self._pool_lock = threading.Lock()
-        # One placement decision (plan, evictions, booking) at a time; loads run outside it.
-        self._placement_lock = threading.RLock()
+        self._stopping = threading.Event()
+        self.moves = TierMoves(config, self.tiers, self.kv_parking, self.table, self._stopping)
+        self.pool_changes = PoolChanges(self.table, self.moves, self._lock)
+        self.reports = StatusReports(config, self.device, self.tiers, self.kv_parking, self.table, self.moves,
+                                     lambda: self.ready, self.estimated_wait_ms)
         self._cancels: dict[str, threading.Event] = {}
-        self._leases: dict[str, _Lease] = {}
+        self._leases: dict[str, Lease] = {}
         # Request ids armed by the `fault` control op (FAULT_INJECTION_ENV).
         self._faults: set[str] = set()
         self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="hypnos-infer")
         self._staged = threading.Event()
-        self._stopping = threading.Event()
         self.started_at = time.time()
-        # Cumulative, for /metrics: evictions of any kind (requests, moves, OOM, max_loaded_models).
-        self.evictions_total = 0
+
+    @property
+    def models(self) -> dict[str, ModelRuntime]:
+        """The pool's models by id."""
+        return self.table.models
+
+    @property
+    def evictions_total(self) -> int:
+        return self.moves.evictions_total
+
+    def status(self) -> dict[str, Any]:
+        """What the web process shows in /ready and /v1/models."""
+        return self.reports.status()
+
+    def memory_status(self) -> dict[str, Any]:
+        """GET /v1/memory/status (spec §14), all but the web process's own latency figures."""
+        return self.reports.memory_status()
+
+    def move(self, name: str, target: MemoryTier, context_len: int | None) -> Placement:
+        """POST /v1/memory/tier and startup staging: put an idle model in `target`."""
+        return self.moves.move(name, target, context_len)
+
+    def set_moe_offload(self, name: str, mode: str) -> dict[str, Any]:
+        """POST /v1/models/{id}/moe-offload (spec §6)."""
+        return self.moves.set_moe_offload(name, mode)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -219,7 +146,7 @@ class Worker(TierMoves, StatusReports):
         """Stage the startup models in the background; the caller's port can open meanwhile."""
         threading.Thread(target=self._stage, name="hypnos-staging", daemon=True).start()
         if self.config.server.kv_idle_timeout_secs is not None:
-            threading.Thread(target=self._empty_idle_slots, args=(self.config.server.kv_idle_timeout_secs,),
+            threading.Thread(target=self.moves.empty_idle_slots, args=(self.config.server.kv_idle_timeout_secs,),
                              name="hypnos-kv-idle", daemon=True).start()
 
     @property
@@ -243,8 +170,8 @@ class Worker(TierMoves, StatusReports):
         try:
             for runtime in self.models.values():
                 try:
-                    with self._placement_lock:
-                        self._engine(runtime)  # registers the footprint, so status shows every model
+                    with self.moves.placement_lock:
+                        self.moves.engine(runtime)  # registers the footprint, so status shows every model
                 except HypnosError as exc:
                     runtime.problem = exc.message
             order = sorted(self.models.values(), key=lambda r: r.config.initial_tier)
@@ -264,27 +191,22 @@ class Worker(TierMoves, StatusReports):
     # -- requests ----------------------------------------------------------------------------
 
     def resolve(self, name: str, enabled_only: bool = True) -> ModelRuntime:
-        model_id = self.names.get(name)
-        if model_id is None:
-            raise ModelNotFound(f"The model {name!r} does not exist; GET /v1/models lists the models.", param="model")
-        runtime = self.models[model_id]
-        if enabled_only and not runtime.enabled:
-            raise ModelDisabled(f"The model {name!r} is disabled.", param="model")
-        return runtime
+        """The model `name` routes to (404 when none, or disabled and `enabled_only`)."""
+        return self.table.resolve(name, enabled_only)
 
     def set_enabled(self, name: str, enabled: bool) -> ModelRuntime:
         """POST /v1/models/{id}/enable|disable: a disabled model is evicted to disk and refused
         (404 model_disabled) until enabled again; 429 while it serves a request."""
         runtime = self.resolve(name, enabled_only=False)
         model_id = runtime.config.id
-        with runtime.load_lock, self._placement_lock:
+        with runtime.load_lock, self.moves.placement_lock:
             if not enabled and self.tiers.leases(model_id):
                 raise ModelBusy(f"The model {model_id!r} is serving requests; retry when it is idle.")
             if not enabled:
                 runtime.wait_engine_idle()
             runtime.enabled = enabled
             if not enabled and runtime.engine is not None and model_id in self.tiers:
-                self._demote(model_id, runtime.engine, MemoryTier.TIER3, park=False)
+                self.moves.demote(model_id, runtime.engine, MemoryTier.TIER3, park=False)
         return runtime
 
     def submit(self, request: EngineRequest | ControlRequest, sink: Sink) -> None:
@@ -311,7 +233,7 @@ class Worker(TierMoves, StatusReports):
                 self._check_capabilities(runtime, work)
             estimate = self._admit(runtime, request.deadline_ms or self._implicit_deadline_ms())
         except PoolChanging as changing:
-            self._executor.submit(resubmit_after_change, self, changing.done, request, sink)
+            self._executor.submit(resubmit_after_change, self.submit, changing.done, request, sink)
             return
         except HypnosError as exc:
             sink(Error.of(exc))
@@ -374,7 +296,7 @@ class Worker(TierMoves, StatusReports):
             elif op in POOL_OPS:
                 if not self.ready:
                     raise ModelNotAvailable(STILL_STAGING)
-                result = change_pool(self, op, payload)
+                result = self.pool_changes.change(op, payload)
             elif op == "set_limits":
                 self.tiers.set_max_resident(payload.get("max_loaded_models"))
                 result = {"max_loaded_models": self.tiers.max_resident}
@@ -416,13 +338,6 @@ class Worker(TierMoves, StatusReports):
         lease = self._leases.get(request_id)
         if lease is not None:
             lease.abandon()
-
-    def _demote(self, model_id: str, engine: Engine, to_tier: MemoryTier, park: bool = True) -> None:
-        """TierMoves._demote, once no abandoned request is still inside the engine."""
-        runtime = self.models.get(model_id)
-        if runtime is not None:
-            runtime.wait_engine_idle()
-        super()._demote(model_id, engine, to_tier, park)
 
     def _admit(self, runtime: ModelRuntime, deadline_ms: float | None) -> float | None:
         """Count the request in, or refuse it (429 queue full, 503 deadline unmeetable); the
@@ -468,20 +383,20 @@ class Worker(TierMoves, StatusReports):
              sink: Sink) -> None:
         arrived = time.perf_counter()
         holding_slot = False
-        lease: _Lease | None = None
+        lease: Lease | None = None
         final: Event | None = None
         try:
             while not runtime.slots.acquire(timeout=SLOT_POLL_SECS):
                 if cancel.is_set():
                     return
             holding_slot = True
-            with self._placement_lock:
-                engine = self._engine(runtime)
+            with self.moves.placement_lock:
+                engine = self.moves.engine(runtime)
                 self.tiers.lease(runtime.config.id)
-                lease = self._leases[request_id] = _Lease(self.tiers, runtime, cancel)
+                lease = self._leases[request_id] = Lease(self.tiers, runtime, cancel)
             queue_ms = (time.perf_counter() - arrived) * 1000
             if isinstance(work, MediaWork):
-                final = serve_media(self, runtime, engine, work, cancel, sink, queue_ms)
+                final = serve_media(self.moves, runtime, engine, work, cancel, sink, queue_ms)
             else:
                 final = self._serve_chat(runtime, engine, work, lease, sink, queue_ms)
             runtime.note_service((time.perf_counter() - arrived) * 1000 - queue_ms)
@@ -505,11 +420,11 @@ class Worker(TierMoves, StatusReports):
             if final is not None:
                 sink(final)
 
-    def _serve_chat(self, runtime: ModelRuntime, engine: Engine, work: ChatWork, lease: _Lease,
+    def _serve_chat(self, runtime: ModelRuntime, engine: Engine, work: ChatWork, lease: Lease,
                     sink: Sink, queue_ms: float) -> Event:
         """Run the chat, streaming deltas into `sink`; the terminal `done` event is returned."""
         cancel = lease.cancel
-        switch = self._ensure_tier1(runtime, needed_context(work))
+        switch = self.moves.ensure_tier1(runtime, needed_context(work))
         # Rendered, tokenised and its grammar built before `started`: a refusal (a schema the
         # grammar limits refuse, a prompt beyond the context) is a 4xx before a stream's first byte.
         work = engine.prepare_chat(work, self.config.limits)
@@ -517,7 +432,7 @@ class Worker(TierMoves, StatusReports):
         fits_model = bool(tokens) and len(tokens) < (engine.trained_context_len or len(tokens) + 1)
         if fits_model and not work.num_ctx and len(tokens) + work.max_tokens > engine.context_len:
             # The estimate from characters fell short: grow the context to the counted tokens.
-            grown = self._ensure_tier1(runtime, len(tokens) + work.max_tokens)
+            grown = self.moves.ensure_tier1(runtime, len(tokens) + work.max_tokens)
             if grown.phases is not None:
                 switch.phases = grown.phases if switch.phases is None else switch.phases.plus(grown.phases)
                 switch.evicted += grown.evicted
@@ -538,7 +453,7 @@ class Worker(TierMoves, StatusReports):
             if sent:
                 raise
             # Spec §4: evict the idle models and retry once.
-            switch.evicted += self._evict_idle(runtime.config.id, "device_out_of_memory")
+            switch.evicted += self.moves.evict_idle(runtime.config.id, "device_out_of_memory")
             with lease.generating():
                 result = engine.chat(work, cancel, on_delta)
         inference_ms = (time.perf_counter() - started) * 1000

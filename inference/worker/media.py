@@ -1,6 +1,6 @@
 """The worker's media operations: embeddings, transcription and speech.
 
-They run on the chat path's machinery (admission, the model's slot, a lease, `_ensure_tier1`,
+They run on the chat path's machinery (admission, the model's slot, a lease, `ensure_tier1`,
 eviction, telemetry); this module holds what differs: the work each op carries, how it drives
 its engine, and the events it sends back (inference/wire.py). Vectors and audio go as bytes in
 events of bounded size (the channel layer caps a message near 1 MB), and a large upload comes as
@@ -23,7 +23,8 @@ from inference.wire import AudioChunk, Done, EmbedWork, SpeechWork, Started, Tra
 
 if TYPE_CHECKING:
     from inference.engines.base import Engine
-    from inference.worker.core import ModelRuntime, Worker
+    from inference.worker.runtime import ModelRuntime
+    from inference.worker.tier_moves import TierMoves
 
 Event = Any  # an inference.wire event
 MEDIA_OPS = {"embed": "embeddings", "transcribe": "speech_to_text", "speech": "text_to_speech"}
@@ -50,12 +51,12 @@ def media_work(config: ModelConfig, work: EmbedWork | TranscribeWork | SpeechWor
     return MediaWork(op, work)
 
 
-def serve_media(worker: Worker, runtime: ModelRuntime, engine: Engine, work: MediaWork, cancel: threading.Event,
+def serve_media(moves: TierMoves, runtime: ModelRuntime, engine: Engine, work: MediaWork, cancel: threading.Event,
                 sink: Any, queue_ms: float) -> Event:
     """Bring the model to tier 1, run the op, and return the terminal `done` event with the
     spec's telemetry (§5); intermediate events (vectors, audio) go to `sink` as they come."""
-    switch = worker._ensure_tier1(runtime, runtime.config.context_len)
-    placement = worker.tiers.placement(runtime.config.id)
+    switch = moves.ensure_tier1(runtime, runtime.config.context_len)
+    placement = moves.tiers.placement(runtime.config.id)
     switch_ms = round(switch.phases.total_ms, 1) if switch.phases else 0.0
     sink(Started(previous_tier=str(switch.previous_tier), gpu_layers=placement.gpu_layers, tier_switch_ms=switch_ms))
     run = {"embed": _embed, "transcribe": _transcribe, "speech": _speech}[work.op]
@@ -66,7 +67,7 @@ def serve_media(worker: Worker, runtime: ModelRuntime, engine: Engine, work: Med
         if work.op != "embed":
             raise
         # Spec §4: evict the idle models and retry once (embeddings are not streamed).
-        switch.evicted += worker._evict_idle(runtime.config.id, "device_out_of_memory")
+        switch.evicted += moves.evict_idle(runtime.config.id, "device_out_of_memory")
         result, timings = run(engine, work.payload, cancel, sink)
     inference_ms = (time.perf_counter() - started) * 1000
     if "audio_secs" in timings and timings["audio_secs"] > 0:

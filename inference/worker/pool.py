@@ -12,85 +12,107 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import InvalidRequest, ModelBusy
+from inference.worker.runtime import ModelRuntime, ModelTable, Sink
+from inference.worker.tier_moves import TierMoves
 from memory.tiers import MemoryTier, Placement
-
-if TYPE_CHECKING:
-    from inference.worker.core import ModelRuntime, Sink, Worker
+from models_registry.options import reloads
 
 log = logging.getLogger(__name__)
 DRAIN_POLL_SECS = 0.05
 POOL_OPS = ("add_model", "replace_model", "remove_model", "update_model")
 
 
-def change_pool(worker: Worker, op: str, payload: dict[str, Any]) -> dict[str, Any]:
-    """Carry out one pool operation; its result for the route."""
-    if op == "add_model":
-        return add_model(worker, ModelConfig.model_validate(payload["config"]))
-    drain_secs = float(payload.get("drain_secs", 120))
-    if op == "replace_model":
-        return replace_model(worker, payload["model"], ModelConfig.model_validate(payload["config"]), drain_secs)
-    if op == "update_model":
-        return update_model(worker, payload["model"], ModelConfig.model_validate(payload["config"]), drain_secs)
-    return remove_model(worker, payload["model"], drain_secs)
+class PoolChanges:
+    """The worker's part that changes the pool: it swaps the table's models, drains them
+    through `admission_lock` (the worker's lock on the admission counters) and unloads them
+    through the tier moves."""
 
+    def __init__(self, table: ModelTable, moves: TierMoves, admission_lock: threading.Lock):
+        self.table = table
+        self.moves = moves
+        self.admission_lock = admission_lock
 
-def add_model(worker: Worker, config: ModelConfig) -> dict[str, Any]:
-    """Put a new model in the pool, cold in tier 3 (its first request loads it); 400 when its
-    id or an alias is taken."""
-    from inference.worker.core import ModelRuntime
+    def change(self, op: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """Carry out one pool operation; its result for the route."""
+        if op == "add_model":
+            return self.add_model(ModelConfig.model_validate(payload["config"]))
+        drain_secs = float(payload.get("drain_secs", 120))
+        if op == "replace_model":
+            return self.replace_model(payload["model"], ModelConfig.model_validate(payload["config"]), drain_secs)
+        if op == "update_model":
+            return self.update_model(payload["model"], ModelConfig.model_validate(payload["config"]), drain_secs)
+        return self.remove_model(payload["model"], drain_secs)
 
-    with worker._pool_lock:
-        _check_names_free(worker, config, replacing=None)
-        runtime = ModelRuntime(config=config)
-        _register(worker, runtime)
-    log.info("model %s added to the pool", config.id)
-    return {"model": config.id, "action": "added", "placement": _placement(worker, runtime)}
+    def add_model(self, config: ModelConfig) -> dict[str, Any]:
+        """Put a new model in the pool, cold in tier 3 (its first request loads it); 400 when its
+        id or an alias is taken."""
+        with self.table.lock:
+            self._check_names_free(config, replacing=None)
+            runtime = ModelRuntime(config=config)
+            self.table.add(runtime)
+        log.info("model %s added to the pool", config.id)
+        return {"model": config.id, "action": "added", "placement": self._placement(runtime)}
 
+    def replace_model(self, name: str, config: ModelConfig, drain_secs: float) -> dict[str, Any]:
+        """Swap the model `name` for `config` under the same id once the old one has drained."""
+        old = self.table.resolve(name, enabled_only=False)
+        config = config.model_copy(update={"id": old.config.id})
+        with self.table.lock:
+            self._check_names_free(config, replacing=old.config.id)
+        with _draining(self, old, drain_secs):
+            new = ModelRuntime(config=config)
+            with self.table.lock:
+                self._unregister(old)
+                self.table.add(new)
+        log.info("model %s replaced", config.id)
+        return {"model": config.id, "action": "replaced", "placement": self._placement(new)}
 
-def replace_model(worker: Worker, name: str, config: ModelConfig, drain_secs: float) -> dict[str, Any]:
-    """Swap the model `name` for `config` under the same id once the old one has drained."""
-    from inference.worker.core import ModelRuntime
+    def update_model(self, name: str, config: ModelConfig, drain_secs: float) -> dict[str, Any]:
+        """New options for the model `name`: sampling defaults, priority and initial tier apply in
+        place; anything else (context, slots) reloads it through a replacement."""
+        runtime = self.table.resolve(name, enabled_only=False)
+        config = config.model_copy(update={"id": runtime.config.id})
+        if reloads(runtime.config, config):
+            return {**self.replace_model(name, config, drain_secs), "action": "reloaded"}
+        with self.table.lock:
+            runtime.config = config
+            self.moves.tiers.set_priority(config.id, config.priority)
+        return {"model": config.id, "action": "updated", "placement": self._placement(runtime)}
 
-    old = worker.resolve(name, enabled_only=False)
-    config = config.model_copy(update={"id": old.config.id})
-    with worker._pool_lock:
-        _check_names_free(worker, config, replacing=old.config.id)
-    with _draining(worker, old, drain_secs):
-        new = ModelRuntime(config=config)
-        with worker._pool_lock:
-            _unregister(worker, old)
-            _register(worker, new)
-    log.info("model %s replaced", config.id)
-    return {"model": config.id, "action": "replaced", "placement": _placement(worker, new)}
+    def remove_model(self, name: str, drain_secs: float) -> dict[str, Any]:
+        """Take the model `name` out of the pool once it has drained; its name then answers 404."""
+        old = self.table.resolve(name, enabled_only=False)
+        with _draining(self, old, drain_secs):
+            with self.table.lock:
+                self._unregister(old)
+        log.info("model %s removed from the pool", old.config.id)
+        return {"model": old.config.id, "action": "removed"}
 
+    def _check_names_free(self, config: ModelConfig, replacing: str | None) -> None:
+        for name in [config.id, *config.aliases]:
+            owner = self.table.owner(name)
+            if owner is not None and owner != replacing:
+                what = "id" if name == config.id else "alias"
+                raise InvalidRequest(f"The {what} {name!r} is already taken by the model {owner!r}.", param="model")
 
-def update_model(worker: Worker, name: str, config: ModelConfig, drain_secs: float) -> dict[str, Any]:
-    """New options for the model `name`: sampling defaults, priority and initial tier apply in
-    place; anything else (context, slots) reloads it through a replacement."""
-    from models_registry.options import reloads
+    def _unregister(self, runtime: ModelRuntime) -> None:
+        self.table.remove(runtime)
+        self.moves.tiers.forget(runtime.config.id)
 
-    runtime = worker.resolve(name, enabled_only=False)
-    config = config.model_copy(update={"id": runtime.config.id})
-    if reloads(runtime.config, config):
-        return {**replace_model(worker, name, config, drain_secs), "action": "reloaded"}
-    with worker._pool_lock:
-        runtime.config = config
-        worker.tiers.set_priority(config.id, config.priority)
-    return {"model": config.id, "action": "updated", "placement": _placement(worker, runtime)}
-
-
-def remove_model(worker: Worker, name: str, drain_secs: float) -> dict[str, Any]:
-    """Take the model `name` out of the pool once it has drained; its name then answers 404."""
-    old = worker.resolve(name, enabled_only=False)
-    with _draining(worker, old, drain_secs):
-        with worker._pool_lock:
-            _unregister(worker, old)
-    log.info("model %s removed from the pool", old.config.id)
-    return {"model": old.config.id, "action": "removed"}
+    def _placement(self, runtime: ModelRuntime) -> dict[str, Any]:
+        """Where the model is (tier 3, cold): registering its engine measures its footprint."""
+        try:
+            with self.moves.placement_lock:
+                self.moves.engine(runtime)
+            return self.moves.tiers.placement(runtime.config.id).as_dict()
+        except Exception as exc:  # the model serves nothing until its files are right; say why
+            runtime.problem = str(exc)
+            return Placement.on_disk(0).as_dict()
 
 
 class PoolChanging(Exception):
@@ -101,11 +123,12 @@ class PoolChanging(Exception):
         self.done = done
 
 
-def resubmit_after_change(worker: Worker, done: threading.Event, request: dict[str, Any], sink: Sink) -> None:
+def resubmit_after_change(submit: Callable[[Any, Sink], None], done: threading.Event, request: Any,
+                          sink: Sink) -> None:
     """A request that arrived while its model drains: wait for the change to end, then route it
-    again by name (to the new model, or to a 404 when the model was removed)."""
+    again by name with `submit` (to the new model, or to a 404 when the model was removed)."""
     done.wait()
-    worker.submit(request, sink)
+    submit(request, sink)
 
 
 class _draining:
@@ -113,12 +136,12 @@ class _draining:
     its engine; on timeout let the held requests through to the old model and raise 429. The
     held requests are routed again when the block ends."""
 
-    def __init__(self, worker: Worker, runtime: ModelRuntime, drain_secs: float):
-        self.worker, self.runtime, self.drain_secs = worker, runtime, drain_secs
+    def __init__(self, changes: PoolChanges, runtime: ModelRuntime, drain_secs: float):
+        self.changes, self.runtime, self.drain_secs = changes, runtime, drain_secs
 
     def __enter__(self) -> None:
         runtime = self.runtime
-        with self.worker._lock:
+        with self.changes.admission_lock:
             if runtime.change_done is not None:
                 raise ModelBusy(f"The model {runtime.config.id!r} is already being replaced or removed.")
             runtime.change_done = threading.Event()
@@ -136,53 +159,18 @@ class _draining:
         self._finish()
 
     def _idle(self) -> bool:
-        with self.worker._lock:
+        with self.changes.admission_lock:
             return self.runtime.admitted == 0
 
     def _unload(self) -> None:
-        runtime, worker = self.runtime, self.worker
-        model_id = runtime.config.id
-        with runtime.load_lock, worker._placement_lock:
+        runtime, moves = self.runtime, self.changes.moves
+        with runtime.load_lock, moves.placement_lock:
             if runtime.engine is not None:
-                worker._demote(model_id, runtime.engine, MemoryTier.TIER3, park=False)
+                moves.demote(runtime.config.id, runtime.engine, MemoryTier.TIER3, park=False)
                 runtime.engine = None
 
     def _finish(self) -> None:
-        with self.worker._lock:
+        with self.changes.admission_lock:
             done, self.runtime.change_done = self.runtime.change_done, None
         if done is not None:
             done.set()
-
-
-def _check_names_free(worker: Worker, config: ModelConfig, replacing: str | None) -> None:
-    for name in [config.id, *config.aliases]:
-        owner = worker.names.get(name)
-        if owner is not None and owner != replacing:
-            what = "id" if name == config.id else "alias"
-            raise InvalidRequest(f"The {what} {name!r} is already taken by the model {owner!r}.", param="model")
-
-
-def _register(worker: Worker, runtime: ModelRuntime) -> None:
-    worker.models[runtime.config.id] = runtime
-    for name in [runtime.config.id, *runtime.config.aliases]:
-        worker.names[name] = runtime.config.id
-
-
-def _unregister(worker: Worker, runtime: ModelRuntime) -> None:
-    model_id = runtime.config.id
-    worker.models.pop(model_id, None)
-    for name in [model_id, *runtime.config.aliases]:
-        if worker.names.get(name) == model_id:
-            del worker.names[name]
-    worker.tiers.forget(model_id)
-
-
-def _placement(worker: Worker, runtime: ModelRuntime) -> dict[str, Any]:
-    """Where the model is (tier 3, cold): registering its engine measures its footprint."""
-    try:
-        with worker._placement_lock:
-            worker._engine(runtime)
-        return worker.tiers.placement(runtime.config.id).as_dict()
-    except Exception as exc:  # the model serves nothing until its files are right; say why
-        runtime.problem = str(exc)
-        return Placement.on_disk(0).as_dict()

@@ -3,38 +3,38 @@ GET /v1/memory/status (spec §14) but for the web process's own latency figures.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from hypnos_site.config import HypnosConfig
+from inference.worker.runtime import ModelRuntime, ModelTable
+from inference.worker.tier_moves import TierMoves
 from memory.device import Device, process_memory_bytes
 from memory.kv_park import KvParking
 from memory.manager import TierManager
 from memory.tiers import MemoryTier
 
-if TYPE_CHECKING:
-    from inference.worker.core import ModelRuntime
-
 
 class StatusReports:
-    """Part of Worker (inference/worker/core.py), which sets these attributes."""
+    """The worker's part that reports; it reads the other parts and changes nothing. `ready`
+    and `estimated_wait_ms` are the worker's own (staging and admission)."""
 
-    config: HypnosConfig
-    device: Device
-    tiers: TierManager
-    kv_parking: KvParking
-    models: dict[str, ModelRuntime]
-    evictions_total: int
-
-    if TYPE_CHECKING:
-        @property
-        def ready(self) -> bool: ...
-
-        def estimated_wait_ms(self, runtime: ModelRuntime) -> float | None: ...
+    def __init__(self, config: HypnosConfig, device: Device, tiers: TierManager, kv_parking: KvParking,
+                 table: ModelTable, moves: TierMoves, ready: Callable[[], bool],
+                 estimated_wait_ms: Callable[[ModelRuntime], float | None]):
+        self.config = config
+        self.device = device
+        self.tiers = tiers
+        self.kv_parking = kv_parking
+        self.table = table
+        self.moves = moves
+        self.ready = ready
+        self.estimated_wait_ms = estimated_wait_ms
 
     def status(self) -> dict[str, Any]:
         """What the web process shows in /ready and /v1/models."""
         models = {}
-        for model_id, runtime in self.models.items():
+        for model_id, runtime in self.table.models.items():
             models[model_id] = {
                 "current_tier": str(self.tiers.tier(model_id)),
                 "placement": self.tiers.placement(model_id).as_dict(),
@@ -44,7 +44,7 @@ class StatusReports:
                 "enabled": runtime.enabled,
                 "config": runtime.config.model_dump(mode="json"),
             }
-        return {"ready": self.ready, "simulated": self.device.simulated, "models": models}
+        return {"ready": self.ready(), "simulated": self.device.simulated, "models": models}
 
     def memory_status(self) -> dict[str, Any]:
         """GET /v1/memory/status (spec §14), all but the web process's own latency figures."""
@@ -52,7 +52,7 @@ class StatusReports:
         tier2_used = self.tiers.tier2_used()
         footprint = process_memory_bytes()
         models = []
-        for model_id, runtime in self.models.items():
+        for model_id, runtime in self.table.models.items():
             config = runtime.config
             row: dict[str, Any] = {
                 "id": model_id,
@@ -96,5 +96,5 @@ class StatusReports:
             "kv_park": self.kv_parking.status(),
             **({"profile": self.config.server.profile.model_dump(exclude_none=True)}
                if self.config.server.profile else {}),
-            "evictions_total": self.evictions_total,
+            "evictions_total": self.moves.evictions_total,
         }

@@ -1,7 +1,7 @@
 """The worker's tier moves: creating engines, promoting a model to tier 1 (single-flight),
 demoting and evicting idle ones, warming, moving by hand, MoE offload changes and emptying idle
-KV slots. The decisions are the TierManager's (memory/); these methods carry them out with the
-engines, under the worker's placement lock."""
+KV slots. The decisions are the TierManager's (memory/); this part of the worker carries them out
+with the engines, under its placement lock."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hypnos_site.config import HypnosConfig
 from hypnos_site.errors import (
@@ -21,13 +21,11 @@ from hypnos_site.errors import (
     UnprocessableEntity,
 )
 from inference.engines.base import Engine, LoadPhases, engine_class
+from inference.worker.runtime import ModelRuntime, ModelTable
 from memory.kv_park import KvParking
 from memory.manager import Eviction, NoRoom, TierManager
 from memory.planner import MOE_OFFLOAD_MODES
 from memory.tiers import MemoryTier, Placement
-
-if TYPE_CHECKING:
-    from inference.worker.core import ModelRuntime
 
 log = logging.getLogger(__name__)
 NO_ROOM_ERRORS = {"insufficient_vram_or_ram": InsufficientMemory, "process_memory_cap": ProcessMemoryCap}
@@ -43,20 +41,21 @@ class TierSwitch:
 
 
 class TierMoves:
-    """Part of Worker (inference/worker/core.py), which sets these attributes."""
+    """The worker's part that moves models between the tiers (its engines, loads, evictions)."""
 
-    config: HypnosConfig
-    tiers: TierManager
-    kv_parking: KvParking
-    models: dict[str, ModelRuntime]
-    evictions_total: int
-    _placement_lock: threading.RLock
-    _stopping: threading.Event
+    def __init__(self, config: HypnosConfig, tiers: TierManager, kv_parking: KvParking, table: ModelTable,
+                 stopping: threading.Event):
+        self.config = config
+        self.tiers = tiers
+        self.kv_parking = kv_parking
+        self.table = table
+        self._stopping = stopping
+        # One placement decision (plan, evictions, booking) at a time; loads run outside it.
+        self.placement_lock = threading.RLock()
+        # Cumulative, for /metrics: evictions of any kind (requests, moves, OOM, max_loaded_models).
+        self.evictions_total = 0
 
-    if TYPE_CHECKING:
-        def resolve(self, name: str, enabled_only: bool = True) -> ModelRuntime: ...
-
-    def _engine(self, runtime: ModelRuntime) -> Engine:
+    def engine(self, runtime: ModelRuntime) -> Engine:
         """The model's engine, created (and its footprint registered) on first use."""
         if runtime.engine is not None:
             return runtime.engine
@@ -80,7 +79,7 @@ class TierMoves:
         runtime.engine = engine
         return engine
 
-    def _ensure_tier1(self, runtime: ModelRuntime, context_len: int) -> TierSwitch:
+    def ensure_tier1(self, runtime: ModelRuntime, context_len: int) -> TierSwitch:
         """Bring the (leased) model to tier 1 with at least `context_len` tokens of context (a
         load allocates at least the model's configured context_len), up to what the model was
         trained for. Single-flight: concurrent requests wait for one load."""
@@ -93,7 +92,7 @@ class TierMoves:
                 return TierSwitch(previous_tier=MemoryTier.TIER1)
             wanted = min(max(context_len, runtime.config.context_len), trained)
             switch = TierSwitch(previous_tier=self.tiers.tier(model_id))
-            with self._placement_lock:
+            with self.placement_lock:
                 placement, evictions = self._plan(model_id, wanted)
                 for eviction in evictions:
                     self._apply_eviction(eviction, for_model=model_id)
@@ -106,7 +105,7 @@ class TierMoves:
                 self._restore_parked(model_id, engine, switch.phases)
             except BaseException:
                 runtime.load_failures += 1
-                with self._placement_lock:
+                with self.placement_lock:
                     self.tiers.load_failed(model_id, weights_warm=bool(engine.warm_bytes))
                 raise
             runtime.loads += 1
@@ -125,11 +124,14 @@ class TierMoves:
         phases.kv_restore_ms = (time.perf_counter() - started) * 1000
         phases.total_ms += phases.kv_restore_ms
 
-    def _demote(self, model_id: str, engine: Engine, to_tier: MemoryTier, park: bool = True) -> None:
+    def demote(self, model_id: str, engine: Engine, to_tier: MemoryTier, park: bool = True) -> None:
         """The worker's one way out of tier 1 (evictions, moves, disabling, MoE offload changes,
-        pool removals): the engine releases the bytes, then the ledger books them in `to_tier`.
-        The conversation is parked first when KV parking is on and `park` (a model leaving
-        for good drops it instead)."""
+        pool removals), once no abandoned request is still inside the engine: the engine
+        releases the bytes, then the ledger books them in `to_tier`. The conversation is parked
+        first when KV parking is on and `park` (a model leaving for good drops it instead)."""
+        runtime = self.table.models.get(model_id)
+        if runtime is not None:
+            runtime.wait_engine_idle()
         if not park:
             self.kv_parking.drop(model_id)
         elif self.kv_parking.enabled and engine.loaded:
@@ -151,15 +153,16 @@ class TierMoves:
 
     def _apply_eviction(self, eviction: Eviction, for_model: str | None) -> None:
         """Carry out a demotion the TierManager chose (the victim is idle: it holds no lease)."""
-        engine = self.models[eviction.model].engine
+        engine = self.table.models[eviction.model].engine
         assert engine is not None
-        self._demote(eviction.model, engine, eviction.to_tier)
+        self.demote(eviction.model, engine, eviction.to_tier)
         self.tiers.record_eviction(eviction, for_model)
         self.evictions_total += 1
         log.info("evicted %s to %s for %s (%s)", eviction.model, eviction.to_tier, for_model, eviction.reason)
 
-    def _evict_idle(self, for_model: str, reason: str) -> list[str]:
-        with self._placement_lock:
+    def evict_idle(self, for_model: str, reason: str) -> list[str]:
+        """Evict every idle model in tier 1 to disk for `for_model` (a device OOM's retry)."""
+        with self.placement_lock:
             victims = self.tiers.evictable(for_model, (MemoryTier.TIER1,))
             for victim in victims:
                 self._apply_eviction(Eviction(victim.model_id, MemoryTier.TIER3, reason), for_model)
@@ -168,21 +171,21 @@ class TierMoves:
     def move(self, name: str, target: MemoryTier, context_len: int | None) -> Placement:
         """POST /v1/memory/tier and startup staging: put an idle model in `target`.
         429 while the model is leased, 507 when it does not fit."""
-        runtime = self.resolve(name)
+        runtime = self.table.resolve(name)
         model_id = runtime.config.id
-        with self._placement_lock:
-            engine = self._engine(runtime)
+        with self.placement_lock:
+            engine = self.engine(runtime)
             # Held while moving, so that no other promotion picks this model as a victim.
             if not self.tiers.lease_if_idle(model_id):
                 raise ModelBusy(f"The model {model_id!r} is serving requests; retry when it is idle.")
         try:
             if target == MemoryTier.TIER1:
-                self._ensure_tier1(runtime, context_len or runtime.config.context_len)
+                self.ensure_tier1(runtime, context_len or runtime.config.context_len)
             elif target == MemoryTier.TIER2:
                 self._warm(runtime, engine)
             else:
-                with runtime.load_lock, self._placement_lock:
-                    self._demote(model_id, engine, MemoryTier.TIER3)
+                with runtime.load_lock, self.placement_lock:
+                    self.demote(model_id, engine, MemoryTier.TIER3)
         finally:
             self.tiers.release(model_id, served=False)
         return self.tiers.placement(model_id)
@@ -194,29 +197,29 @@ class TierMoves:
         takes the mode and ignores it. Not written back to the config."""
         if mode not in MOE_OFFLOAD_MODES:
             raise UnprocessableEntity(f"Unknown moe_offload mode {mode!r}; use off, auto or on.", param="mode")
-        runtime = self.resolve(name, enabled_only=False)
+        runtime = self.table.resolve(name, enabled_only=False)
         model_id = runtime.config.id
-        with self._placement_lock:
-            engine = self._engine(runtime)
+        with self.placement_lock:
+            engine = self.engine(runtime)
             changed = self.tiers.moe_offload(model_id) != mode
             self.tiers.set_moe_offload(model_id, mode)
             busy = not self.tiers.lease_if_idle(model_id)  # an idle one: no request may load it meanwhile
         if not busy:
             try:
                 if changed and engine.loaded and engine.footprint().expert_bytes:
-                    with runtime.load_lock, self._placement_lock:
-                        self._demote(model_id, engine, MemoryTier.TIER2)
+                    with runtime.load_lock, self.placement_lock:
+                        self.demote(model_id, engine, MemoryTier.TIER2)
             finally:
                 self.tiers.release(model_id, served=False)
         return {"model": model_id, "moe_offload": mode, "applies": "next_load" if busy else "now",
                 "placement": self.tiers.placement(model_id).as_dict()}
 
-    def _empty_idle_slots(self, idle_secs: float) -> None:
+    def empty_idle_slots(self, idle_secs: float) -> None:
         """server.kv_idle_timeout_secs: every few seconds, empty the KV of the slots of idle
         loaded models whose conversation has not been served for `idle_secs`."""
         while not self._stopping.wait(min(max(idle_secs / 4, 0.2), 30.0)):
-            for model_id, runtime in list(self.models.items()):
-                with self._placement_lock:
+            for model_id, runtime in list(self.table.models.items()):
+                with self.placement_lock:
                     # No lease: no request can start meanwhile; no engine user: no abandoned one
                     # (its lease already released) is still stopping. A loaded engine is registered.
                     if (runtime.engine is not None and runtime.engine.loaded
@@ -229,10 +232,10 @@ class TierMoves:
         model_id = runtime.config.id
         with runtime.load_lock:
             if engine.loaded:
-                with self._placement_lock:
-                    self._demote(model_id, engine, MemoryTier.TIER2)
+                with self.placement_lock:
+                    self.demote(model_id, engine, MemoryTier.TIER2)
                 return
-            with self._placement_lock:
+            with self.placement_lock:
                 try:
                     evictions = self.tiers.plan_warm(model_id)
                 except NoRoom as exc:
@@ -243,6 +246,6 @@ class TierMoves:
             try:
                 engine.warm()
             except BaseException:
-                with self._placement_lock:
+                with self.placement_lock:
                     self.tiers.warm_failed(model_id)
                 raise

@@ -3,15 +3,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import pytest
 from django.test import AsyncClient
 
-import inference.client as client_module
 from hypnos_site.config import HypnosConfig
-from inference.client import InferenceClient, InProcessTransport
-from inference.worker import Worker, get_embedded_worker
+from inference.runtime import runtime
+from inference.worker import Worker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @pytest.fixture(scope="session")
 def worker() -> Worker:
     """The embedded worker with the real SmolLM2 model, staged once for the session."""
-    worker = get_embedded_worker()
+    worker = runtime.embedded_worker()
     assert worker.wait_ready(120), "startup staging did not finish"
     assert worker.models["smollm2-135m"].problem is None
     return worker
@@ -32,15 +32,9 @@ def api(worker: Worker, db: None) -> AsyncClient:
 
 @pytest.fixture
 def use_worker() -> Iterator[Any]:
-    """Route the views to another Worker for the length of a test."""
-    saved = client_module._client
-
-    def use(worker: Worker) -> Worker:
-        client_module._client = InferenceClient(InProcessTransport(worker))
-        return worker
-
-    yield use
-    client_module._client = saved
+    """Route the views to another Worker for the length of a test (runtime.serving)."""
+    with ExitStack() as serving:
+        yield lambda worker: serving.enter_context(runtime.serving(worker))
 
 
 @pytest.fixture

@@ -161,9 +161,11 @@ class Worker:
         for cancel in list(self._cancels.values()):
             cancel.set()
         self._executor.shutdown(wait=True, cancel_futures=True)
+        # cool, not unload: the warm copies (memfds) go too, so a worker that is shut down while
+        # its process goes on (the tests, a runtime.serving swap) leaves no tier-2 memory behind.
         for runtime in self.models.values():
             if runtime.engine is not None:
-                runtime.engine.unload()
+                runtime.engine.cool()
 
     def _stage(self) -> None:
         """Bring each enabled model to its `initial_tier` (spec §3), tier 1 first."""

@@ -32,9 +32,20 @@ def api(worker: Worker, db: None) -> AsyncClient:
 
 @pytest.fixture
 def use_worker() -> Iterator[Any]:
-    """Route the views to another Worker for the length of a test (runtime.serving)."""
+    """Route the views to another Worker for the length of a test (runtime.serving); a worker the
+    test made is shut down after it (its warm copies closed), the session's embedded one is kept."""
+    routed: list[Worker] = []
+
+    def route(worker: Worker) -> Worker:
+        routed.append(worker)
+        return serving.enter_context(runtime.serving(worker))
+
     with ExitStack() as serving:
-        yield lambda worker: serving.enter_context(runtime.serving(worker))
+        yield route
+    session_worker = runtime.in_process_worker()
+    for worker in routed:
+        if worker is not session_worker:
+            worker.shutdown()
 
 
 @pytest.fixture

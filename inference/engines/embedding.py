@@ -11,8 +11,8 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
-from inference.engines.llama import LlamaEngine
 from hypnos_site.errors import Cancelled, ContextLengthExceeded
+from inference.engines.llama import LlamaEngine
 
 
 class LlamaEmbeddingEngine(LlamaEngine):

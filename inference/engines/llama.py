@@ -16,6 +16,7 @@ import llama_cpp._internals as internals
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from hypnos_site.config import ENGINE_SAMPLING_DEFAULTS, LimitsConfig, ModelConfig
+from hypnos_site.errors import ContextLengthExceeded, InvalidRequest, ModelNotAvailable
 from inference.engines.base import ChatResult, ChatWork, DeltaSink, Engine, LoadPhases, PreparedPrompt
 from inference.engines.llama_io import AnswerOutput, json_grammar, oom_as_typed, template_message, token_logprobs
 from inference.engines.llama_offload import ExpertOffloadModel, expert_pattern
@@ -24,7 +25,6 @@ from inference.engines.text import StopMatcher
 from inference.engines.thinking import FORCED_CLOSE, OPEN, ThinkBlock
 from inference.engines.tools import call_schema, forced_tools, parse_tool_calls
 from inference.engines.vision import Projector
-from hypnos_site.errors import ContextLengthExceeded, InvalidRequest, ModelNotAvailable
 from memory.gguf import read_gguf
 from memory.kv_park import ParkedSlot, ParkedState
 from memory.planner import Footprint, footprint_from_info

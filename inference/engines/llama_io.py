@@ -13,10 +13,10 @@ import numpy as np
 from llama_cpp.llama_grammar import JSON_GBNF
 
 from hypnos_site.config import LimitsConfig
+from hypnos_site.errors import DeviceOutOfMemory, InvalidRequest
 from inference.engines.base import DeltaSink
 from inference.engines.thinking import ThinkBlock
 from inference.engines.tools import may_become_call
-from hypnos_site.errors import DeviceOutOfMemory, InvalidRequest
 from inference.grammar_limits import check_schema
 
 

@@ -27,9 +27,9 @@ from typing import Any
 import llama_cpp
 import llama_cpp._internals as internals
 
+from hypnos_site.errors import DeviceOutOfMemory, ServerError
 from inference.engines.base import ChatResult
 from inference.engines.text import StopMatcher
-from hypnos_site.errors import DeviceOutOfMemory, ServerError
 from memory.kv_park import ParkedSlot
 
 log = logging.getLogger(__name__)

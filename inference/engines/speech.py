@@ -18,8 +18,8 @@ import numpy as np
 import onnxruntime
 
 from hypnos_site.config import ModelConfig
-from inference.engines.base import Engine, LoadPhases
 from hypnos_site.errors import ModelNotAvailable
+from inference.engines.base import Engine, LoadPhases
 from memory.planner import Footprint, footprint_from_files
 
 # Measured with Piper en_US-joe-medium (2-core CPU): ~145 MB beyond the graph while synthesizing

@@ -16,8 +16,8 @@ import numpy as np
 from faster_whisper import WhisperModel
 
 from hypnos_site.config import ModelConfig
-from inference.engines.base import Engine, LoadPhases
 from hypnos_site.errors import Cancelled, InvalidRequest, ModelNotAvailable
+from inference.engines.base import Engine, LoadPhases
 from memory.planner import Footprint, footprint_from_files
 
 # Measured on Whisper tiny.en int8 (2-core CPU): the process grows ~80 MB beyond the weights

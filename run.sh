@@ -7,6 +7,7 @@
 #   ./run.sh test [..]  run the whole test suite (arguments go to pytest)
 #   ./run.sh worker     run the inference worker of the distributed deployment
 #   ./run.sh setup      only set up
+#   ./run.sh lint       ruff check, ruff format --check and mypy (the gates ./run.sh test runs first)
 #   ./run.sh models <id>[:<quant>] [..]  download catalog variants into models_dir (venv step
 #                       only; HF_TOKEN for gated files, HF_ENDPOINT for another hub; --help)
 #   ./run.sh advise --needs chat,voice [--vram 24G --ram 64G | --unified --ram 32G] [--json | --config]
@@ -85,6 +86,13 @@ setup() {
   "$VENV/bin/python" manage.py migrate --no-input -v0
 }
 
+lint() {
+  step "lint and type gates: ruff check, ruff format --check, mypy (pyproject.toml)"
+  "$VENV/bin/ruff" check .
+  "$VENV/bin/ruff" format --check .
+  "$VENV/bin/mypy"
+}
+
 cmd=${1:-serve}
 [ $# -gt 0 ] && shift
 case "$cmd" in
@@ -95,8 +103,14 @@ case "$cmd" in
     ;;
   test)
     setup
+    # The whole suite (no arguments, as CI runs it) starts with the lint and type gates.
+    if [ $# -eq 0 ]; then lint; fi
     step "running the test suite"
     exec "$VENV/bin/python" -m pytest "$@"
+    ;;
+  lint)
+    setup_venv
+    lint
     ;;
   worker)
     setup
@@ -121,7 +135,7 @@ case "$cmd" in
     exec "$VENV/bin/python" manage.py catalogblock "$@"
     ;;
   *)
-    echo "usage: ./run.sh [serve|test|worker|setup|models|advise|--catalog-block] [args...]" >&2
+    echo "usage: ./run.sh [serve|test|lint|worker|setup|models|advise|--catalog-block] [args...]" >&2
     exit 2
     ;;
 esac

@@ -36,8 +36,10 @@ sys.path.insert(0, str(ROOT))
 
 from hypnos_site.config import HypnosConfig, ModelConfig, load_config  # noqa: E402
 
-TEXT = ("Good morning. The weather is nice today. Please send the report to the office before noon. "
-        "We will meet again next week.")
+TEXT = (
+    "Good morning. The weather is nice today. Please send the report to the office before noon. "
+    "We will meet again next week."
+)
 TTS, STT, CHAT = "piper-joe", "whisper-tiny.en", "smollm2-135m"
 TURN_TOKENS = 32
 
@@ -56,16 +58,26 @@ class EmbeddedServer:
         hardware = f"[hardware]\nn_threads = {threads}\n" if threads else ""
         (self.dir / "hypnos.toml").write_text(hardware + "\n".join(blocks))
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("HYPNOS_")}
-        self.env.update(HYPNOS_CONFIG=str(self.dir / "hypnos.toml"), HYPNOS_DATA_DIR=str(self.dir),
-                        HYPNOS_PORT=str(self.port), DJANGO_SETTINGS_MODULE="hypnos_site.settings")
+        self.env.update(
+            HYPNOS_CONFIG=str(self.dir / "hypnos.toml"),
+            HYPNOS_DATA_DIR=str(self.dir),
+            HYPNOS_PORT=str(self.port),
+            DJANGO_SETTINGS_MODULE="hypnos_site.settings",
+        )
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> EmbeddedServer:
-        subprocess.run([sys.executable, "manage.py", "migrate", "--no-input", "-v0"], cwd=ROOT, env=self.env,
-                       check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "manage.py", "migrate", "--no-input", "-v0"],
+            cwd=ROOT,
+            env=self.env,
+            check=True,
+            capture_output=True,
+        )
         log = (self.dir / "serve.log").open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "hypnos_site.serve"], cwd=ROOT, env=self.env,
-                                     stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hypnos_site.serve"], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -85,9 +97,11 @@ class EmbeddedServer:
 
 
 def _block(config: HypnosConfig, model: ModelConfig) -> str:
-    return (f'[[models]]\nid = "{model.id}"\nmodality = "{model.modality}"\nengine = "{model.engine}"\n'
-            f'weights_path = "{config.weights_file(model)}"\ncontext_len = {model.context_len}\n'
-            'initial_tier = "tier3_nvme_ssd"\n')
+    return (
+        f'[[models]]\nid = "{model.id}"\nmodality = "{model.modality}"\nengine = "{model.engine}"\n'
+        f'weights_path = "{config.weights_file(model)}"\ncontext_len = {model.context_len}\n'
+        'initial_tier = "tier3_nvme_ssd"\n'
+    )
 
 
 def median(values: list[float]) -> float:
@@ -115,8 +129,10 @@ def raw_speech(config: HypnosConfig, threads: int | None) -> Callable[[], float]
     options = onnxruntime.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
-    voice = PiperVoice(config=PiperConfig.from_dict(json.loads(graph.with_name(graph.name + ".json").read_text())),
-                       session=onnxruntime.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"]))
+    voice = PiperVoice(
+        config=PiperConfig.from_dict(json.loads(graph.with_name(graph.name + ".json").read_text())),
+        session=onnxruntime.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"]),
+    )
 
     def run() -> float:
         samples = sum(len(np.concatenate([c.audio_float_array for c in voice.synthesize(p)])) for p in phrases(TEXT))
@@ -139,8 +155,9 @@ def raw_transcription(config: HypnosConfig, threads: int | None, wav: bytes) -> 
 
     def run() -> float:
         samples = decode_audio(io.BytesIO(wav))
-        segments, _ = model.transcribe(samples, language="en", beam_size=5, temperature=FALLBACK_TEMPERATURES,
-                                       condition_on_previous_text=False)
+        segments, _ = model.transcribe(
+            samples, language="en", beam_size=5, temperature=FALLBACK_TEMPERATURES, condition_on_previous_text=False
+        )
         list(segments)
         return len(samples) / 16000
 
@@ -160,15 +177,20 @@ def main() -> None:
         "transcription": {"server": [], "raw": [], "engine": []},
     }
     with EmbeddedServer(config, [CHAT, TTS, STT], args.threads) as server, httpx.Client(timeout=300) as http:
+
         def speak() -> httpx.Response:
-            response = http.post(f"{server.base_url}/v1/audio/speech",
-                                 json={"model": TTS, "input": TEXT, "response_format": "wav"})
+            response = http.post(
+                f"{server.base_url}/v1/audio/speech", json={"model": TTS, "input": TEXT, "response_format": "wav"}
+            )
             response.raise_for_status()
             return response
 
         def transcribe(wav: bytes) -> httpx.Response:
-            response = http.post(f"{server.base_url}/v1/audio/transcriptions", data={"model": STT},
-                                 files={"file": ("clip.wav", wav, "audio/wav")})
+            response = http.post(
+                f"{server.base_url}/v1/audio/transcriptions",
+                data={"model": STT},
+                files={"file": ("clip.wav", wav, "audio/wav")},
+            )
             response.raise_for_status()
             return response
 
@@ -190,24 +212,53 @@ def main() -> None:
             secs, audio_secs = timed(raw_stt)
             figures["transcription"]["raw"].append(secs / audio_secs)
         turns = voice_turns(http, server.base_url, wav, args.turns)
-    print(f"RTF (processing seconds per audio second, lower is faster) over {args.runs} runs after a warm-up, "
-          f"{args.threads} threads; clip {len(wav) / 48000:.2f} s; median and best (the least disturbed run)")
-    print(f"{'task':<14}| {'raw RTF':>8} | {'server RTF':>10} | {'engine RTF':>10} | {'server / raw':>12} "
-          f"| {'best raw':>8} | {'best server':>11} | {'best ratio':>10}")
-    print("-" * 14 + "+" + "-" * 10 + "+" + "-" * 12 + "+" + "-" * 12 + "+" + "-" * 14 + "+" + "-" * 10 + "+"
-          + "-" * 13 + "+" + "-" * 11)
+    print(
+        f"RTF (processing seconds per audio second, lower is faster) over {args.runs} runs after a warm-up, "
+        f"{args.threads} threads; clip {len(wav) / 48000:.2f} s; median and best (the least disturbed run)"
+    )
+    print(
+        f"{'task':<14}| {'raw RTF':>8} | {'server RTF':>10} | {'engine RTF':>10} | {'server / raw':>12} "
+        f"| {'best raw':>8} | {'best server':>11} | {'best ratio':>10}"
+    )
+    print(
+        "-" * 14
+        + "+"
+        + "-" * 10
+        + "+"
+        + "-" * 12
+        + "+"
+        + "-" * 12
+        + "+"
+        + "-" * 14
+        + "+"
+        + "-" * 10
+        + "+"
+        + "-" * 13
+        + "+"
+        + "-" * 11
+    )
     summary = {}
     for task, runs in figures.items():
         raw, server, engine = median(runs["raw"]), median(runs["server"]), median(runs["engine"])
         best_raw, best_server = min(runs["raw"]), min(runs["server"])
-        summary[task] = {"raw_rtf": raw, "server_rtf": server, "server_engine_rtf": engine, "ratio": server / raw,
-                         "best_raw_rtf": best_raw, "best_server_rtf": best_server,
-                         "best_ratio": best_server / best_raw}
-        print(f"{task:<14}| {raw:8.3f} | {server:10.3f} | {engine:10.3f} | {server / raw:12.2f} "
-              f"| {best_raw:8.3f} | {best_server:11.3f} | {best_server / best_raw:10.2f}")
-    print(f"\nvoice turn (transcription -> chat, {TURN_TOKENS} tokens -> speech), {args.turns} turns: "
-          f"end to end p50 {turns['p50_ms']} ms, p95 {turns['p95_ms']} ms, p99 {turns['p99_ms']} ms "
-          "(latency.workflows.voice of /v1/memory/status: histogram bucket upper bounds)")
+        summary[task] = {
+            "raw_rtf": raw,
+            "server_rtf": server,
+            "server_engine_rtf": engine,
+            "ratio": server / raw,
+            "best_raw_rtf": best_raw,
+            "best_server_rtf": best_server,
+            "best_ratio": best_server / best_raw,
+        }
+        print(
+            f"{task:<14}| {raw:8.3f} | {server:10.3f} | {engine:10.3f} | {server / raw:12.2f} "
+            f"| {best_raw:8.3f} | {best_server:11.3f} | {best_server / best_raw:10.2f}"
+        )
+    print(
+        f"\nvoice turn (transcription -> chat, {TURN_TOKENS} tokens -> speech), {args.turns} turns: "
+        f"end to end p50 {turns['p50_ms']} ms, p95 {turns['p95_ms']} ms, p99 {turns['p99_ms']} ms "
+        "(latency.workflows.voice of /v1/memory/status: histogram bucket upper bounds)"
+    )
     if args.json:
         args.json.write_text(json.dumps({"runs": figures, "summary": summary, "voice_turn": turns}, indent=2))
 
@@ -217,15 +268,29 @@ def voice_turns(http: httpx.Client, base_url: str, wav: bytes, count: int) -> di
     own end-to-end percentiles of them."""
     for turn in range(count):
         flow = {"x-hypnos-workflow": f"voice/bench-{turn}"}
-        heard = http.post(f"{base_url}/v1/audio/transcriptions", data={"model": STT},
-                          files={"file": ("turn.wav", wav, "audio/wav")}, headers={**flow, "x-hypnos-next-model": CHAT})
+        heard = http.post(
+            f"{base_url}/v1/audio/transcriptions",
+            data={"model": STT},
+            files={"file": ("turn.wav", wav, "audio/wav")},
+            headers={**flow, "x-hypnos-next-model": CHAT},
+        )
         heard.raise_for_status()
-        answer = http.post(f"{base_url}/v1/chat/completions", headers={**flow, "x-hypnos-next-model": TTS}, json={
-            "model": CHAT, "max_tokens": TURN_TOKENS, "messages": [{"role": "user", "content": heard.json()["text"]}]})
+        answer = http.post(
+            f"{base_url}/v1/chat/completions",
+            headers={**flow, "x-hypnos-next-model": TTS},
+            json={
+                "model": CHAT,
+                "max_tokens": TURN_TOKENS,
+                "messages": [{"role": "user", "content": heard.json()["text"]}],
+            },
+        )
         answer.raise_for_status()
         reply = answer.json()["choices"][0]["message"]["content"] or "Okay."
-        spoken = http.post(f"{base_url}/v1/audio/speech", headers={**flow, "x-hypnos-workflow-end": "true"},
-                           json={"model": TTS, "input": reply})
+        spoken = http.post(
+            f"{base_url}/v1/audio/speech",
+            headers={**flow, "x-hypnos-workflow-end": "true"},
+            json={"model": TTS, "input": reply},
+        )
         spoken.raise_for_status()
     return http.get(f"{base_url}/v1/memory/status").json()["latency"]["workflows"]["voice"]
 

@@ -273,8 +273,9 @@ def measure_runs(
         run.disturbed = run.foreign_cpu_pct is not None and run.foreign_cpu_pct > settings.max_foreign_cpu_pct
         log.info("%s: %s", label, _describe(run))
         if run.disturbed and len(result.discarded) < settings.redo:
-            log.warning("%s: other processes took %.0f%% of the CPU meanwhile; measuring it again",
-                        label, run.foreign_cpu_pct)
+            log.warning(
+                "%s: other processes took %.0f%% of the CPU meanwhile; measuring it again", label, run.foreign_cpu_pct
+            )
             result.discarded.append(run)
             continue
         result.runs.append(run)
@@ -332,7 +333,9 @@ def bench_raw(settings: BenchSettings) -> TargetResult:
         if run.completion_tokens != completion_tokens:
             log.warning(
                 "raw: a streamed run had %d content chunks but the non-streamed usage says %d completion "
-                "tokens; the raw token count is off", run.completion_tokens, completion_tokens,
+                "tokens; the raw token count is off",
+                run.completion_tokens,
+                completion_tokens,
             )
     return result
 
@@ -651,7 +654,9 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
-        return " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return " | ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=False))
+        )
 
     rule = "-+-".join("-" * w for w in widths)
     return "\n".join([line(header), rule, *(line(cells) for cells in body)])
@@ -768,7 +773,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "again (default 10)",
     )
     parser.add_argument(
-        "--redo", type=int, default=None, metavar="N",
+        "--redo",
+        type=int,
+        default=None,
+        metavar="N",
         help="at most N such runs are measured again per target (default: --runs)",
     )
     parser.add_argument("--json", type=Path, help="also write every run and the summary to this file")
@@ -828,8 +836,14 @@ def main(argv: list[str] | None = None) -> int:
         redo=args.redo,
     )
     targets = [t for t in TARGETS if t in (args.only or TARGETS)]
-    log.info("targets %s, %d runs, max_tokens %d, %d threads, seed %d", targets, settings.runs,
-             settings.max_tokens, settings.threads, settings.seed)
+    log.info(
+        "targets %s, %d runs, max_tokens %d, %d threads, seed %d",
+        targets,
+        settings.runs,
+        settings.max_tokens,
+        settings.threads,
+        settings.seed,
+    )
     results = run_targets(targets, settings)
     rows = summary(results)
     warnings = check_same_output(results)

@@ -23,8 +23,10 @@ from bench.audio import ROOT, EmbeddedServer, median, timed  # noqa: E402
 from hypnos_site.config import load_config  # noqa: E402
 
 MODEL = "all-minilm-l6-v2"
-WORDS = ("the quick brown fox jumps over a lazy dog while the weather stays nice and the report reaches "
-         "the office before noon next week").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while the weather stays nice and the report reaches "
+    "the office before noon next week"
+).split()
 
 
 def texts(n: int) -> list[str]:
@@ -42,20 +44,28 @@ def main() -> None:
     config = load_config({"HYPNOS_CONFIG": str(ROOT / "tests" / "hypnos.test.toml")})
     model = next(m for m in config.models if m.id == MODEL)
     batch = texts(args.batch)
-    runs: dict[str, list[float]] = {"raw one by one": [], "raw batched": [], "server float": [],
-                                    "server base64": []}
+    runs: dict[str, list[float]] = {"raw one by one": [], "raw batched": [], "server float": [], "server base64": []}
     with EmbeddedServer(config, [MODEL], args.threads) as server, httpx.Client(timeout=300) as http:
+
         def embed(encoding: str) -> None:
-            response = http.post(f"{server.base_url}/v1/embeddings",
-                                 json={"model": MODEL, "input": batch, "encoding_format": encoding})
+            response = http.post(
+                f"{server.base_url}/v1/embeddings", json={"model": MODEL, "input": batch, "encoding_format": encoding}
+            )
             response.raise_for_status()
             assert len(response.json()["data"]) == len(batch)
 
         import llama_cpp
 
-        llm = llama_cpp.Llama(model_path=str(config.weights_file(model)), embedding=True, n_ctx=model.context_len,
-                              n_batch=model.context_len, n_ubatch=model.context_len, n_threads=args.threads,
-                              n_threads_batch=args.threads, verbose=False)
+        llm = llama_cpp.Llama(
+            model_path=str(config.weights_file(model)),
+            embedding=True,
+            n_ctx=model.context_len,
+            n_batch=model.context_len,
+            n_ubatch=model.context_len,
+            n_threads=args.threads,
+            n_threads_batch=args.threads,
+            verbose=False,
+        )
         targets = {
             "raw one by one": lambda: [llm.embed(t, normalize=True) for t in batch],
             "raw batched": lambda: llm.embed(batch, normalize=True),
@@ -69,15 +79,21 @@ def main() -> None:
                 secs, _ = timed(run)
                 runs[name].append(len(batch) / secs)
     base, base_best = median(runs["raw one by one"]), max(runs["raw one by one"])
-    print(f"{MODEL} (GGUF F16 via llama.cpp): texts/s over {args.runs} runs of {len(batch)} texts after a "
-          f"warm-up, {args.threads} threads; median and best (the best is the least disturbed by other load)")
+    print(
+        f"{MODEL} (GGUF F16 via llama.cpp): texts/s over {args.runs} runs of {len(batch)} texts after a "
+        f"warm-up, {args.threads} threads; median and best (the best is the least disturbed by other load)"
+    )
     print(f"{'target':<15}| {'median':>8} | {'best':>8} | {'median ratio':>12} | {'best ratio':>10}")
     print("-" * 15 + "+" + "-" * 10 + "+" + "-" * 10 + "+" + "-" * 14 + "+" + "-" * 11)
     summary = {}
     for name, values in runs.items():
         rate, best = median(values), max(values)
-        summary[name] = {"texts_per_s": rate, "best_texts_per_s": best, "ratio": rate / base,
-                         "best_ratio": best / base_best}
+        summary[name] = {
+            "texts_per_s": rate,
+            "best_texts_per_s": best,
+            "ratio": rate / base,
+            "best_ratio": best / base_best,
+        }
         print(f"{name:<15}| {rate:8.1f} | {best:8.1f} | {rate / base:12.2f} | {best / base_best:10.2f}")
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "summary": summary}, indent=2))

@@ -68,8 +68,14 @@ SPEECH_TEXT = "Hello world. The weather is nice today."
 EMBED_TEXTS = ["The cat sat on the mat.", "Paris is the capital of France.", "A quick brown fox."]
 # Request kinds and their share of the mix (weights, not percentages).
 MIX = {
-    "chat_stream": 20, "chat": 20, "embeddings": 15, "speech": 8, "transcription": 8,
-    "models": 8, "memory_status": 6, "bad_request": 15,
+    "chat_stream": 20,
+    "chat": 20,
+    "embeddings": 15,
+    "speech": 8,
+    "transcription": 8,
+    "models": 8,
+    "memory_status": 6,
+    "bad_request": 15,
 }
 REQUEST_TIMEOUT_SECS = 300.0
 # After --secs no new request starts; those in flight get this long to finish.
@@ -111,14 +117,18 @@ class DeploymentResult:
                 "route": samples[0].route if len({x.route for x in samples}) == 1 else "(several)",
                 "requests": len(samples),
                 "per_s": round(len(samples) / self.wall_secs, 2) if self.wall_secs else None,
-                "p50_ms": _pct(done, 50), "p95_ms": _pct(done, 95),
+                "p50_ms": _pct(done, 50),
+                "p95_ms": _pct(done, 95),
                 "statuses": dict(sorted(Counter(str(s.status) for s in samples).items())),
                 "unexpected": sum(1 for s in samples if not s.ok and s.status != 429),
             }
         unexpected = [s for s in self.samples if not s.ok and s.status != 429]
         return {
-            "deployment": self.deployment, "clients": self.clients, "secs": self.secs,
-            "wall_secs": round(self.wall_secs, 1), "ready_secs": round(self.ready_secs, 1),
+            "deployment": self.deployment,
+            "clients": self.clients,
+            "secs": self.secs,
+            "wall_secs": round(self.wall_secs, 1),
+            "ready_secs": round(self.ready_secs, 1),
             "requests": len(self.samples),
             "per_s": round(len(self.samples) / self.wall_secs, 1) if self.wall_secs else None,
             "statuses": dict(sorted(Counter(str(s.status) for s in self.samples).items())),
@@ -155,9 +165,11 @@ def write_config(directory: Path, threads: int | None, max_queue: int) -> Path:
         if not weights.exists():
             raise SystemExit(f"{weights} is missing; run ./run.sh setup first")
         tier = "tier1_gpu_vram" if model.id == CHAT else "tier3_nvme_ssd"
-        blocks.append(f'[[models]]\nid = "{model.id}"\nmodality = "{model.modality}"\nengine = "{model.engine}"\n'
-                      f"weights_path = {json.dumps(str(weights))}\ncontext_len = {model.context_len}\n"
-                      f'initial_tier = "{tier}"\n')
+        blocks.append(
+            f'[[models]]\nid = "{model.id}"\nmodality = "{model.modality}"\nengine = "{model.engine}"\n'
+            f"weights_path = {json.dumps(str(weights))}\ncontext_len = {model.context_len}\n"
+            f'initial_tier = "{tier}"\n'
+        )
     hardware = f"[hardware]\nn_threads = {threads}\n\n" if threads else ""
     path = directory / "hypnos.toml"
     path.write_text(f"{hardware}[limits]\nmax_queue_per_model = {max_queue}\n\n" + "\n".join(blocks))
@@ -180,20 +192,29 @@ def postgres_database() -> Iterator[str]:
 
 
 @contextmanager
-def running_server(deployment: str, work_dir: Path, threads: int | None,
-                   max_queue: int) -> Iterator[tuple[str, list[Proc], float]]:
+def running_server(
+    deployment: str, work_dir: Path, threads: int | None, max_queue: int
+) -> Iterator[tuple[str, list[Proc], float]]:
     """Start one deployment; yield its base URL, its processes and the seconds to ready."""
     data_dir = work_dir / deployment
     data_dir.mkdir()
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYPNOS_")}
-    env.update(HYPNOS_CONFIG=str(write_config(data_dir, threads, max_queue)), HYPNOS_DATA_DIR=str(data_dir),
-               HYPNOS_PORT=str(port), HYPNOS_HOST="127.0.0.1", HYPNOS_DEPLOYMENT=deployment,
-               DJANGO_SETTINGS_MODULE="hypnos_site.settings")
+    env.update(
+        HYPNOS_CONFIG=str(write_config(data_dir, threads, max_queue)),
+        HYPNOS_DATA_DIR=str(data_dir),
+        HYPNOS_PORT=str(port),
+        HYPNOS_HOST="127.0.0.1",
+        HYPNOS_DEPLOYMENT=deployment,
+        DJANGO_SETTINGS_MODULE="hypnos_site.settings",
+    )
     with _database(deployment) as database_url:
         if database_url:
-            env.update(HYPNOS_DATABASE_URL=database_url, HYPNOS_REDIS_URL=REDIS_URL,
-                       HYPNOS_CHANNEL_PREFIX="hypnos-bench-" + secrets.token_hex(4))
+            env.update(
+                HYPNOS_DATABASE_URL=database_url,
+                HYPNOS_REDIS_URL=REDIS_URL,
+                HYPNOS_CHANNEL_PREFIX="hypnos-bench-" + secrets.token_hex(4),
+            )
         migrate(env)
         procs: list[Proc] = []
         try:
@@ -268,8 +289,13 @@ class Requests:
         self.client, self.max_tokens, self.clip = client, max_tokens, clip
 
     async def chat_stream(self, rng: random.Random) -> tuple[str, int, str]:
-        body = {"model": CHAT, "messages": MESSAGES, "max_tokens": self.max_tokens, "stream": True,
-                "seed": rng.randrange(1 << 30)}
+        body = {
+            "model": CHAT,
+            "messages": MESSAGES,
+            "max_tokens": self.max_tokens,
+            "stream": True,
+            "seed": rng.randrange(1 << 30),
+        }
         async with self.client.stream("POST", "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
                 await response.aread()
@@ -293,12 +319,15 @@ class Requests:
         return await self._post("/v1/embeddings", json={"model": EMBED, "input": texts})
 
     async def speech(self, rng: random.Random) -> tuple[str, int, str]:
-        return await self._post("/v1/audio/speech", json={"model": TTS, "input": SPEECH_TEXT,
-                                                           "response_format": rng.choice(["wav", "mp3", "pcm"])})
+        return await self._post(
+            "/v1/audio/speech",
+            json={"model": TTS, "input": SPEECH_TEXT, "response_format": rng.choice(["wav", "mp3", "pcm"])},
+        )
 
     async def transcription(self, rng: random.Random) -> tuple[str, int, str]:
-        return await self._post("/v1/audio/transcriptions", data={"model": STT},
-                                files={"file": ("speech.wav", self.clip, "audio/wav")})
+        return await self._post(
+            "/v1/audio/transcriptions", data={"model": STT}, files={"file": ("speech.wav", self.clip, "audio/wav")}
+        )
 
     async def models(self, rng: random.Random) -> tuple[str, int, str]:
         response = await self.client.get("/v1/models")
@@ -311,8 +340,11 @@ class Requests:
     async def bad_request(self, rng: random.Random) -> tuple[str, int, str]:
         kind = rng.choice(["malformed", "unknown_model", "wrong_type", "unknown_route", "empty_input"])
         if kind == "malformed":
-            return await self._post("/v1/chat/completions", content=b'{"model": "smollm2-135m", "messages": [',
-                                    headers={"content-type": "application/json"})
+            return await self._post(
+                "/v1/chat/completions",
+                content=b'{"model": "smollm2-135m", "messages": [',
+                headers={"content-type": "application/json"},
+            )
         if kind == "unknown_model":
             return await self._post("/v1/chat/completions", json={"model": "nope", "messages": MESSAGES})
         if kind == "wrong_type":
@@ -359,16 +391,19 @@ async def warm_up(client: httpx.AsyncClient, max_tokens: int) -> bytes:
         await client.post("/v1/embeddings", json={"model": EMBED, "input": EMBED_TEXTS}),
     ]
     speech = await client.post("/v1/audio/speech", json={"model": TTS, "input": SPEECH_TEXT})
-    checks += [speech, await client.post("/v1/audio/transcriptions", data={"model": STT},
-                                         files={"file": ("speech.wav", speech.content, "audio/wav")})]
+    checks += [
+        speech,
+        await client.post(
+            "/v1/audio/transcriptions", data={"model": STT}, files={"file": ("speech.wav", speech.content, "audio/wav")}
+        ),
+    ]
     for response in checks:
         if response.status_code != 200:
             raise RuntimeError(f"warm-up {response.request.url.path}: {response.status_code} {response.text[:300]}")
     return speech.content
 
 
-async def drive(base_url: str, clients: int, secs: float, max_tokens: int, seed: int,
-                result: DeploymentResult) -> None:
+async def drive(base_url: str, clients: int, secs: float, max_tokens: int, seed: int, result: DeploymentResult) -> None:
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     timeout = httpx.Timeout(REQUEST_TIMEOUT_SECS, connect=30.0, pool=REQUEST_TIMEOUT_SECS)
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout) as client:
@@ -376,8 +411,10 @@ async def drive(base_url: str, clients: int, secs: float, max_tokens: int, seed:
         requests = Requests(client, max_tokens, clip)
         started = time.monotonic()
         until = started + secs
-        tasks = [asyncio.create_task(client_loop(requests, random.Random(seed + n), until, result.samples))
-                 for n in range(clients)]
+        tasks = [
+            asyncio.create_task(client_loop(requests, random.Random(seed + n), until, result.samples))
+            for n in range(clients)
+        ]
         done, pending = await asyncio.wait(tasks, timeout=secs + DRAIN_SECS)
         for task in pending:
             task.cancel()
@@ -405,18 +442,23 @@ def bench_deployment(deployment: str, args: argparse.Namespace, work_dir: Path) 
 def print_table(results: list[DeploymentResult]) -> None:
     for result in results:
         s = result.summary()
-        print(f"\n{s['deployment']}: {s['clients']} clients for {s['secs']:g} s (drained in {s['wall_secs']} s), "
-              f"{s['requests']} requests, {s['per_s']} req/s; statuses {s['statuses']}; unexpected 5xx "
-              f"{s['unexpected_5xx']}, transport errors {s['transport_errors']}, other unexpected answers "
-              f"{s['unexpected'] - s['unexpected_5xx'] - s['transport_errors']}, unfinished clients {s['unfinished']}")
+        print(
+            f"\n{s['deployment']}: {s['clients']} clients for {s['secs']:g} s (drained in {s['wall_secs']} s), "
+            f"{s['requests']} requests, {s['per_s']} req/s; statuses {s['statuses']}; unexpected 5xx "
+            f"{s['unexpected_5xx']}, transport errors {s['transport_errors']}, other unexpected answers "
+            f"{s['unexpected'] - s['unexpected_5xx'] - s['transport_errors']}, unfinished clients {s['unfinished']}"
+        )
         print(f"peak RSS (MiB): {s['peak_rss_mib']}")
-        header = (f"{'kind':<14}| {'route':<26}| {'requests':>8} | {'req/s':>6} | {'p50 ms':>8} | {'p95 ms':>8} "
-                  "| statuses")
+        header = (
+            f"{'kind':<14}| {'route':<26}| {'requests':>8} | {'req/s':>6} | {'p50 ms':>8} | {'p95 ms':>8} | statuses"
+        )
         print(header)
         print("-" * len(header))
         for kind, r in s["routes"].items():
-            print(f"{kind:<14}| {r['route']:<26}| {r['requests']:>8} | {r['per_s']:>6} | {_fmt(r['p50_ms']):>8} | "
-                  f"{_fmt(r['p95_ms']):>8} | {r['statuses']}")
+            print(
+                f"{kind:<14}| {r['route']:<26}| {r['requests']:>8} | {r['per_s']:>6} | {_fmt(r['p50_ms']):>8} | "
+                f"{_fmt(r['p95_ms']):>8} | {r['statuses']}"
+            )
         for example in s["unexpected_examples"]:
             print(f"  unexpected: {example}")
 
@@ -426,14 +468,19 @@ def _fmt(value: float | None) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--clients", type=int, default=200, help="concurrent clients (default 200)")
     parser.add_argument("--secs", type=float, default=60.0, help="seconds new requests are started (default 60)")
     parser.add_argument("--deployment", choices=[*DEPLOYMENTS, "both"], default="both")
     parser.add_argument("--max-tokens", type=int, default=16, help="max_tokens of the chat requests (default 16)")
-    parser.add_argument("--max-queue", type=int, default=8,
-                        help="the servers' limits.max_queue_per_model (default 8, the server's own default)")
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=8,
+        help="the servers' limits.max_queue_per_model (default 8, the server's own default)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="the servers' [hardware] n_threads (default: unset)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the clients' choices (default 1)")
     parser.add_argument("--json", type=Path, help="also write the settings and the summaries to this file")
@@ -447,8 +494,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _stop_on_sigterm()
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     deployments = list(DEPLOYMENTS) if args.deployment == "both" else [args.deployment]
     results = []
@@ -457,13 +507,23 @@ def main(argv: list[str] | None = None) -> int:
             results.append(bench_deployment(deployment, args, Path(tmp)))
     print_table(results)
     if args.json:
-        args.json.write_text(json.dumps({
-            "benchmark": "bench/load.py", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()} | {"mix": MIX},
-            "machine": {"python": platform.python_version(), "platform": platform.platform(),
-                        "cpu_count": os.cpu_count(), "load_average": os.getloadavg()},
-            "summary": [r.summary() for r in results],
-        }, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "benchmark": "bench/load.py",
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()} | {"mix": MIX},
+                    "machine": {
+                        "python": platform.python_version(),
+                        "platform": platform.platform(),
+                        "cpu_count": os.cpu_count(),
+                        "load_average": os.getloadavg(),
+                    },
+                    "summary": [r.summary() for r in results],
+                },
+                indent=2,
+            )
+        )
     unexpected = sum(r.summary()["unexpected"] for r in results)
     return 1 if unexpected else 0
 

@@ -34,7 +34,11 @@ from inference.worker import Worker  # noqa: E402
 from memory.tiers import MemoryTier  # noqa: E402
 
 MODEL = "smollm2-135m"
-PROMPTS = ["Write a long story about a dragon.", "Write a long story about a knight.", "Write a long story about a ship."]
+PROMPTS = [
+    "Write a long story about a dragon.",
+    "Write a long story about a knight.",
+    "Write a long story about a ship.",
+]
 
 
 def chat(worker: Worker, messages: list[dict], max_tokens: int) -> dict:
@@ -52,15 +56,23 @@ def chat(worker: Worker, messages: list[dict], max_tokens: int) -> dict:
     done.wait()
     assert isinstance(final[0], Done) and final[0].usage is not None, final
     usage = final[0].usage
-    return {"usage": {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                      "cached_tokens": usage.cached_tokens}}
+    return {
+        "usage": {
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "cached_tokens": usage.cached_tokens,
+        }
+    }
 
 
 def worker_with(slots: int, kv_park: bool) -> Worker:
     config = settings.HYPNOS
     model = next(m for m in config.models if m.id == MODEL).model_copy(update={"slots": slots, "context_len": 4096})
-    worker = Worker(config.model_copy(update={
-        "models": [model], "hardware": config.hardware.model_copy(update={"kv_park": kv_park})}))
+    worker = Worker(
+        config.model_copy(
+            update={"models": [model], "hardware": config.hardware.model_copy(update={"kv_park": kv_park})}
+        )
+    )
     worker._staged.set()
     worker.move(MODEL, MemoryTier.TIER1, None)
     return worker
@@ -69,7 +81,9 @@ def worker_with(slots: int, kv_park: bool) -> Worker:
 def aggregate_tokens_per_s(worker: Worker, streams: int, max_tokens: int) -> float:
     started = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
-        results = list(pool.map(lambda p: chat(worker, [{"role": "user", "content": p}], max_tokens), PROMPTS[:streams]))
+        results = list(
+            pool.map(lambda p: chat(worker, [{"role": "user", "content": p}], max_tokens), PROMPTS[:streams])
+        )
     tokens = sum(r["usage"]["completion_tokens"] for r in results)
     return tokens / (time.perf_counter() - started)
 
@@ -77,8 +91,10 @@ def aggregate_tokens_per_s(worker: Worker, streams: int, max_tokens: int) -> flo
 def next_turn_ms(worker: Worker) -> tuple[float, int]:
     """A conversation of more than 1,000 tokens, the model swapped to tier 2 and back by the
     next turn itself; that turn's latency and the prompt tokens it evaluated."""
-    history = [{"role": "system", "content": "You are a patient storyteller. " + "Keep every detail consistent. " * 200},
-               {"role": "user", "content": "Tell me about the dragon."}]
+    history = [
+        {"role": "system", "content": "You are a patient storyteller. " + "Keep every detail consistent. " * 200},
+        {"role": "user", "content": "Tell me about the dragon."},
+    ]
     first = chat(worker, history, 8)
     assert first["usage"]["prompt_tokens"] >= 1000, first["usage"]
     history += [{"role": "assistant", "content": "It was old."}, {"role": "user", "content": "And then?"}]

@@ -76,8 +76,10 @@ def main() -> None:
     models = args.model or [m.id for m in settings.HYPNOS.models]
     threads = settings.HYPNOS.hardware.n_threads
     caps = worker.device.capabilities
-    print(f"device: {caps.device_name} ({'simulated' if caps.simulated else caps.accelerator}), "
-          f"{args.runs} runs per figure, medians\n")
+    print(
+        f"device: {caps.device_name} ({'simulated' if caps.simulated else caps.accelerator}), "
+        f"{args.runs} runs per figure, medians\n"
+    )
     rows = []
     for model in models:
         config = worker.resolve(model).config
@@ -89,21 +91,30 @@ def main() -> None:
             warm.append(promotion_ms(worker, model, MemoryTier.TIER2, context)["wall_ms"])
             worker.move(model, MemoryTier.TIER3, None)
             raw.append(raw_cold_load_ms(path, context, threads))
-        row = {"model": model, "weights_bytes": path.stat().st_size, "context_len": context,
-               "tier3_to_tier1_ms": median(cold), "tier2_to_tier1_ms": median(warm),
-               "raw_cold_load_ms": median(raw)}
+        row = {
+            "model": model,
+            "weights_bytes": path.stat().st_size,
+            "context_len": context,
+            "tier3_to_tier1_ms": median(cold),
+            "tier2_to_tier1_ms": median(warm),
+            "raw_cold_load_ms": median(raw),
+        }
         if not caps.simulated:
             row["nvml_free_after_bytes"] = worker.device.real_vram()
         rows.append(row)
     worker.shutdown()
 
-    print(f"{'model':<22}{'MB':>7}{'ctx':>6}{'raw cold':>11}{'3 -> 1':>10}{'2 -> 1':>10}"
-          f"{'3->1 / 2->1':>13}{'3->1 / raw':>12}")
+    print(
+        f"{'model':<22}{'MB':>7}{'ctx':>6}{'raw cold':>11}{'3 -> 1':>10}{'2 -> 1':>10}"
+        f"{'3->1 / 2->1':>13}{'3->1 / raw':>12}"
+    )
     for r in rows:
-        print(f"{r['model']:<22}{r['weights_bytes'] / 1e6:>7.0f}{r['context_len']:>6}{r['raw_cold_load_ms']:>9.0f}ms"
-              f"{r['tier3_to_tier1_ms']:>8.0f}ms{r['tier2_to_tier1_ms']:>8.0f}ms"
-              f"{r['tier3_to_tier1_ms'] / r['tier2_to_tier1_ms']:>12.1f}x"
-              f"{r['tier3_to_tier1_ms'] / r['raw_cold_load_ms']:>11.2f}x")
+        print(
+            f"{r['model']:<22}{r['weights_bytes'] / 1e6:>7.0f}{r['context_len']:>6}{r['raw_cold_load_ms']:>9.0f}ms"
+            f"{r['tier3_to_tier1_ms']:>8.0f}ms{r['tier2_to_tier1_ms']:>8.0f}ms"
+            f"{r['tier3_to_tier1_ms'] / r['tier2_to_tier1_ms']:>12.1f}x"
+            f"{r['tier3_to_tier1_ms'] / r['raw_cold_load_ms']:>11.2f}x"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

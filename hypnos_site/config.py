@@ -12,7 +12,7 @@ import re
 import tomllib
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -191,8 +191,13 @@ class ArchConfig(_Strict):
 
 # What a request that sets no sampling field gets when its model sets none either.
 ENGINE_SAMPLING_DEFAULTS = {
-    "temperature": 0.8, "top_p": 0.95, "top_k": 40, "max_tokens": 512,
-    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repeat_penalty": 1.0,
+    "temperature": 0.8,
+    "top_p": 0.95,
+    "top_k": 40,
+    "max_tokens": 512,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repeat_penalty": 1.0,
 }
 
 
@@ -259,7 +264,7 @@ class ModelConfig(_Strict):
     @property
     def modalities(self) -> list[str]:
         """The primary modality first, then what else the model serves (spec §6)."""
-        found = [self.modality]
+        found: list[str] = [self.modality]
         if self.engine == "ggml_llama" and self.aux_path and self.modality == "text_generation":
             found.append("vision")
         if self.modality == "vision":
@@ -415,7 +420,7 @@ def load_config(env: dict[str, str] | None = None) -> HypnosConfig:
     env = dict(os.environ) if env is None else env
     path = config_path(env)
     explicit = "HYPNOS_CONFIG" in env
-    raw: dict[str, object] = {}
+    raw: dict[str, Any] = {}  # tomllib.loads' type
     if path.exists():
         try:
             raw = tomllib.loads(path.read_text())
@@ -425,16 +430,14 @@ def load_config(env: dict[str, str] | None = None) -> HypnosConfig:
         raise ConfigError(f"{path}: HYPNOS_CONFIG names a file that does not exist")
     for section, values in _env_overrides(env).items():
         if values:
-            merged = dict(raw.get(section) or {})  # type: ignore[arg-type]
+            merged = dict(raw.get(section) or {})
             merged.update(values)
             raw[section] = merged
     raw["source"] = str(path) if path.exists() else None
     try:
         return HypnosConfig.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        )
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors())
         raise ConfigError(f"{path}: {problems}") from exc
 
 

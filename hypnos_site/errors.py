@@ -162,10 +162,7 @@ class ServerError(HypnosError):
     type = "server_error"
 
 
-STILL_STAGING = (
-    "Hypnos is still pre-staging its startup models; retry shortly "
-    "(GET /ready reports when it is done)"
-)
+STILL_STAGING = "Hypnos is still pre-staging its startup models; retry shortly (GET /ready reports when it is done)"
 
 
 def _from_drf(exc: drf.APIException) -> HypnosError:

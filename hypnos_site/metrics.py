@@ -61,31 +61,52 @@ class Family:
     buckets: tuple[float, ...] = ()
 
 
-MS_BUCKETS = (5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0, 10000.0, 30000.0, 60000.0,
-              120000.0, 300000.0)
+MS_BUCKETS = (
+    5.0,
+    10.0,
+    25.0,
+    50.0,
+    100.0,
+    250.0,
+    500.0,
+    1000.0,
+    2500.0,
+    5000.0,
+    10000.0,
+    30000.0,
+    60000.0,
+    120000.0,
+    300000.0,
+)
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
 
 WEB_FAMILIES: dict[str, Family] = {
     "hypnos_http_requests": Family("counter", "HTTP requests by route and status class.", ("route", "class")),
     "hypnos_http_request_latency_ms": Family(
-        "histogram", "End-to-end time of HTTP requests (a stream: to its last byte), ms.", ("route",), MS_BUCKETS),
+        "histogram", "End-to-end time of HTTP requests (a stream: to its last byte), ms.", ("route",), MS_BUCKETS
+    ),
     "hypnos_http_request_latency_ms_max": Family("gauge", "Longest HTTP request by route, ms.", ("route",)),
-    "hypnos_api_key_requests": Family("counter", "Inference calls made with the key, refused ones included.",
-                                      ("key",)),
+    "hypnos_api_key_requests": Family("counter", "Inference calls made with the key, refused ones included.", ("key",)),
     "hypnos_api_key_rejections": Family(
-        "counter", "Calls refused by a per-key limit (429 rate_limit_error) or model restriction (403).", ("key",)),
+        "counter", "Calls refused by a per-key limit (429 rate_limit_error) or model restriction (403).", ("key",)
+    ),
     "hypnos_api_key_tokens": Family("counter", "Prompt plus completion tokens charged to the key.", ("key",)),
     "hypnos_scheduler_admissions_rejected": Family(
-        "counter", "Inference calls the scheduler refused (429 model_busy, 503 deadline_unmeetable)."),
+        "counter", "Inference calls the scheduler refused (429 model_busy, 503 deadline_unmeetable)."
+    ),
     "hypnos_chat_ttft_ms": Family("histogram", "Time to the first token of chat calls, ms.", ("model",), MS_BUCKETS),
     "hypnos_chat_decode_tokens_per_s": Family("summary", "Decode speed of chat calls, tokens/s.", ("model",)),
     "hypnos_chat_prefill_tokens_per_s": Family("summary", "Prefill speed of chat calls, tokens/s.", ("model",)),
     "hypnos_request_e2e_ms": Family(
-        "histogram", "Inference calls from arrival to the last byte of the response, ms.", ("route",), MS_BUCKETS),
+        "histogram", "Inference calls from arrival to the last byte of the response, ms.", ("route",), MS_BUCKETS
+    ),
     "hypnos_workflow_e2e_ms": Family(
-        "histogram", "Calls that ran a pipeline (chat input_audio transcribed first), arrival to last byte, ms.",
-        ("route",), MS_BUCKETS),
+        "histogram",
+        "Calls that ran a pipeline (chat input_audio transcribed first), arrival to last byte, ms.",
+        ("route",),
+        MS_BUCKETS,
+    ),
     "hypnos_prefix_cache_hits": Family("counter", "Text calls that reused cached prompt tokens.", ("model",)),
     "hypnos_prefix_cache_misses": Family("counter", "Text calls that reused no cached prompt tokens.", ("model",)),
     "hypnos_prefix_cache_tokens_reused": Family("counter", "Prompt tokens served from the prefix cache.", ("model",)),
@@ -155,8 +176,9 @@ class MemoryCounters(CounterStore):
 
     async def snapshot(self) -> dict[str, dict[Labels, dict[str, float]]]:
         with self._lock:
-            return {name: {labels: dict(fields) for labels, fields in rows.items()}
-                    for name, rows in self._values.items()}
+            return {
+                name: {labels: dict(fields) for labels, fields in rows.items()} for name, rows in self._values.items()
+            }
 
 
 # KEYS: the sums hash, the maxima hash. ARGV: triples of op ('add' or 'max'), field, value.
@@ -249,13 +271,15 @@ def web_families(snapshot: dict[str, dict[Labels, dict[str, float]]], tokens_tod
                 metric.add_metric(values, count_value=fields.get("count", 0), sum_value=fields.get("sum", 0.0))
             elif family.kind == "histogram":
                 buckets = [(f"{bound:g}", fields.get(_le(bound), 0.0)) for bound in family.buckets]
-                metric.add_metric(values, buckets=[*buckets, ("+Inf", fields.get("le:+Inf", 0.0))],
-                                  sum_value=fields.get("sum", 0.0))
+                metric.add_metric(
+                    values, buckets=[*buckets, ("+Inf", fields.get("le:+Inf", 0.0))], sum_value=fields.get("sum", 0.0)
+                )
             else:
                 metric.add_metric(values, fields.get("value", 0.0))
         families.append(metric)
-    today = GaugeMetricFamily("hypnos_api_key_tokens_today", "Tokens charged to the key in the current UTC day.",
-                              labels=["key"])
+    today = GaugeMetricFamily(
+        "hypnos_api_key_tokens_today", "Tokens charged to the key in the current UTC day.", labels=["key"]
+    )
     for label, tokens in sorted(tokens_today.items()):
         today.add_metric([label], tokens)
     families.append(today)
@@ -281,8 +305,10 @@ def worker_families(status: dict[str, Any] | None) -> list[Metric]:
         "hypnos_model_load_failures": ("counter", "Loads of the model that failed."),
         "hypnos_model_requests_per_minute": ("gauge", "The model's decayed request rate (eviction weighs it)."),
     }
-    made = {name: (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, text, labels=["model"])
-            for name, (kind, text) in per_model.items()}
+    made = {
+        name: (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, text, labels=["model"])
+        for name, (kind, text) in per_model.items()
+    }
     for model in status.get("models", []):
         row = [model["id"]]
         made["hypnos_model_tier"].add_metric(row, TIER_NUMBER.get(model.get("current_tier", ""), 3))
@@ -299,20 +325,29 @@ def worker_families(status: dict[str, Any] | None) -> list[Metric]:
     evictions = CounterMetricFamily("hypnos_scheduler_evictions", "Models the worker evicted, for any reason.")
     evictions.add_metric([], status.get("evictions_total", 0))
     capabilities = status.get("capabilities", {})
-    vram = GaugeMetricFamily("hypnos_vram_bytes", "Tier 1 bytes: budget, booked (used), free, and what the device "
-                             "reports (real_free, real_total, unaccounted, effective_free).", labels=["kind"])
-    for kind, value in [("budget", capabilities.get("usable_vram_budget_bytes")),
-                        ("used", status.get("tier1_vram_used_bytes")), ("free", status.get("tier1_vram_free_bytes")),
-                        ("real_free", status.get("tier1_vram_real_free_bytes")),
-                        ("real_total", status.get("tier1_vram_real_total_bytes")),
-                        ("unaccounted", status.get("tier1_vram_unaccounted_bytes")),
-                        ("effective_free", status.get("tier1_vram_effective_free_bytes"))]:
+    vram = GaugeMetricFamily(
+        "hypnos_vram_bytes",
+        "Tier 1 bytes: budget, booked (used), free, and what the device "
+        "reports (real_free, real_total, unaccounted, effective_free).",
+        labels=["kind"],
+    )
+    for kind, value in [
+        ("budget", capabilities.get("usable_vram_budget_bytes")),
+        ("used", status.get("tier1_vram_used_bytes")),
+        ("free", status.get("tier1_vram_free_bytes")),
+        ("real_free", status.get("tier1_vram_real_free_bytes")),
+        ("real_total", status.get("tier1_vram_real_total_bytes")),
+        ("unaccounted", status.get("tier1_vram_unaccounted_bytes")),
+        ("effective_free", status.get("tier1_vram_effective_free_bytes")),
+    ]:
         if value is not None:
             vram.add_metric([kind], value)
     ram = GaugeMetricFamily("hypnos_pinned_ram_bytes", "Tier 2 bytes: budget, used, free.", labels=["kind"])
-    for kind, value in [("budget", capabilities.get("pinned_ram_budget_bytes")),
-                        ("used", status.get("tier2_pinned_ram_used_bytes")),
-                        ("free", status.get("tier2_pinned_ram_free_bytes"))]:
+    for kind, value in [
+        ("budget", capabilities.get("pinned_ram_budget_bytes")),
+        ("used", status.get("tier2_pinned_ram_used_bytes")),
+        ("free", status.get("tier2_pinned_ram_free_bytes")),
+    ]:
         if value is not None:
             ram.add_metric([kind], value)
     process = GaugeMetricFamily("hypnos_worker_process_memory_bytes", "Resident memory of the inference worker.")
@@ -364,8 +399,12 @@ async def worker_status() -> dict[str, Any] | None:
         return None
 
 
-KEY_FAMILIES = ("hypnos_api_key_requests", "hypnos_api_key_rejections", "hypnos_api_key_tokens",
-                "hypnos_api_key_tokens_today")
+KEY_FAMILIES = (
+    "hypnos_api_key_requests",
+    "hypnos_api_key_rejections",
+    "hypnos_api_key_tokens",
+    "hypnos_api_key_tokens_today",
+)
 
 
 async def hypnos_families(with_keys: bool = True) -> list[Metric]:

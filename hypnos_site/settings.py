@@ -116,9 +116,7 @@ TEMPLATES = [
 ]
 
 _default_db = f"sqlite:///{HYPNOS.data_dir / 'hypnos.sqlite3'}"
-DATABASES = {
-    "default": dj_database_url.parse(HYPNOS.server.database_url or _default_db, conn_max_age=60)
-}
+DATABASES = {"default": dj_database_url.parse(HYPNOS.server.database_url or _default_db, conn_max_age=60)}
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     HYPNOS.data_dir.mkdir(parents=True, exist_ok=True)
     # Several threads of one process write the request log; wait instead of failing.

@@ -67,14 +67,16 @@ NO_WORKER = "No inference worker answered within {secs:g} s; start one with `man
 # The worker sends a heartbeat every HEARTBEAT_SECS (channel_server.py) on the reply channel of
 # a request that has nothing else to send; three missed ones mean the worker is gone.
 REPLY_DEADLINE_SECS = 1.5
-WORKER_LOST = ("The inference worker stopped answering (nothing for {secs:g} s); "
-               "it is being restarted or is gone. Retry shortly.")
+WORKER_LOST = (
+    "The inference worker stopped answering (nothing for {secs:g} s); it is being restarted or is gone. Retry shortly."
+)
 STALLED = "The engine produced nothing for {secs:g} s (limits.request_timeout_secs); the request was stopped."
 # Set in the task of an HTTP request whose status call (the pool refresh) found no worker, so
 # that the request itself answers at once instead of waiting worker_ack_timeout_secs a second
 # time; the message and when. A long-lived task (a realtime session) retries after NO_WORKER_MEMO_SECS.
 _no_worker_seen: contextvars.ContextVar[tuple[str, float] | None] = contextvars.ContextVar(
-    "hypnos_no_worker_seen", default=None)
+    "hypnos_no_worker_seen", default=None
+)
 NO_WORKER_MEMO_SECS = 1.0
 
 
@@ -212,8 +214,11 @@ class InferenceClient:
             raise
         if not isinstance(event, Started):
             call.finished = True
-            error = event.exception() if isinstance(event, Error) else ServerError(
-                f"the inference worker answered {event.kind!r} before starting the request")
+            error = (
+                event.exception()
+                if isinstance(event, Error)
+                else ServerError(f"the inference worker answered {event.kind!r} before starting the request")
+            )
             if record is not None:
                 record.note_error(error.message, error.type)
             raise error
@@ -236,7 +241,8 @@ class InferenceClient:
             event = await asyncio.wait_for(call.next_event(), timeout)
         except TimeoutError:
             raise EngineTimeout(
-                f"The worker's {op} took longer than limits.request_timeout_secs ({timeout:g} s).") from None
+                f"The worker's {op} took longer than limits.request_timeout_secs ({timeout:g} s)."
+            ) from None
         finally:
             call.finished = True
         if isinstance(event, Error):

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from hypnos_site.config import LimitsConfig
-from inference.engines.tools import call_schema, forced_tools
 from hypnos_site.errors import InvalidRequest
+from inference.engines.tools import call_schema, forced_tools
 
 KNOWN_TYPES = {"string", "number", "integer", "boolean", "null", "object", "array"}
 COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
@@ -63,17 +63,21 @@ def check_schema(schema: dict[str, Any], limits: LimitsConfig, param: str) -> st
         raise _refused(param, f"llama.cpp's grammar converter refuses it: {exc or type(exc).__name__}") from exc
     size = len(gbnf.encode("utf-8"))
     if size > limits.max_grammar_bytes:
-        raise _refused(param, f"its grammar is {size} bytes, above limits.max_grammar_bytes "
-                              f"({limits.max_grammar_bytes})")
+        raise _refused(
+            param, f"its grammar is {size} bytes, above limits.max_grammar_bytes ({limits.max_grammar_bytes})"
+        )
     nesting = gbnf_nesting(gbnf)
     if nesting > limits.max_grammar_repetition + limits.max_grammar_depth:
-        raise _refused(param, f"its grammar nests {nesting} groups deep, above limits.max_grammar_repetition "
-                              f"+ limits.max_grammar_depth")
+        raise _refused(
+            param,
+            f"its grammar nests {nesting} groups deep, above limits.max_grammar_repetition + limits.max_grammar_depth",
+        )
     return gbnf
 
 
-def check_tools(tools: list[dict[str, Any]], choice: str | dict[str, Any], limits: LimitsConfig,
-                param: str = "tools") -> None:
+def check_tools(
+    tools: list[dict[str, Any]], choice: str | dict[str, Any], limits: LimitsConfig, param: str = "tools"
+) -> None:
     """`tools` as the worker gets them (OpenAI's `{"type": "function", "function": {...}}`). Every
     tool's `parameters` is walked against the limits (a dangling $ref, an unknown type or a huge
     count is wrong whatever tool_choice says); when the answer must be a call ("required", or a
@@ -94,7 +98,7 @@ def gbnf_nesting(gbnf: str) -> int:
     i, n = 0, len(gbnf)
     while i < n:
         c = gbnf[i]
-        if c in "\"[":
+        if c in '"[':
             close = '"' if c == '"' else "]"
             i += 1
             while i < n and gbnf[i] != close:
@@ -138,12 +142,15 @@ class _Walk:
         if not isinstance(node, dict):
             raise self.bad(where, f"is {json.dumps(node)[:40]}, not a schema object")
         if depth > self.limits.max_grammar_depth:
-            raise self.bad(where, f"nests more than limits.max_grammar_depth ({self.limits.max_grammar_depth}) "
-                                  "schemas deep")
+            raise self.bad(
+                where, f"nests more than limits.max_grammar_depth ({self.limits.max_grammar_depth}) schemas deep"
+            )
         self.budget -= 1
         if self.budget < 0:
-            raise self.bad("the schema", "expands to too many sub-schemas for limits.max_grammar_bytes "
-                                         f"({self.limits.max_grammar_bytes})")
+            raise self.bad(
+                "the schema",
+                f"expands to too many sub-schemas for limits.max_grammar_bytes ({self.limits.max_grammar_bytes})",
+            )
         self.keywords(node, where)
         ref = node.get("$ref")
         if isinstance(ref, str):
@@ -163,8 +170,11 @@ class _Walk:
         if not isinstance(properties, dict):
             raise self.bad(f"{where}.properties", "is not an object")
         if len(properties) > self.limits.max_grammar_properties:
-            raise self.bad(where, f"has {len(properties)} properties, above limits.max_grammar_properties "
-                                  f"({self.limits.max_grammar_properties})")
+            raise self.bad(
+                where,
+                f"has {len(properties)} properties, above limits.max_grammar_properties "
+                f"({self.limits.max_grammar_properties})",
+            )
         for name, value in properties.items():
             self.schema(value, depth + 1, refs, f"{where}.properties.{name}")
 
@@ -197,8 +207,11 @@ class _Walk:
         if not isinstance(pattern, str):
             raise self.bad(where, "has a pattern that is not a string")
         if not (pattern.startswith("^") and pattern.endswith("$")):
-            raise self.bad(where, f"has the pattern {pattern[:60]!r}, which is not anchored: llama.cpp's grammars "
-                                  "take only patterns that start with ^ and end with $")
+            raise self.bad(
+                where,
+                f"has the pattern {pattern[:60]!r}, which is not anchored: llama.cpp's grammars "
+                "take only patterns that start with ^ and end with $",
+            )
         try:
             re.compile(pattern)
         except re.error as exc:
@@ -220,8 +233,11 @@ class _Walk:
             elif c == ")":
                 depth -= 1
         if deepest > self.limits.max_grammar_depth:
-            raise self.bad(where, f"has a pattern that nests {deepest} groups, above limits.max_grammar_depth "
-                                  f"({self.limits.max_grammar_depth})")
+            raise self.bad(
+                where,
+                f"has a pattern that nests {deepest} groups, above limits.max_grammar_depth "
+                f"({self.limits.max_grammar_depth})",
+            )
 
     def check_refs(self, root: Any) -> None:
         """Every $ref anywhere in the schema must resolve, as the converter resolves them all."""
@@ -242,8 +258,9 @@ class _Walk:
         if ref == "#":
             return self.root
         if not isinstance(ref, str) or not ref.startswith("#/"):
-            raise self.bad("the schema", f"has the $ref {json.dumps(ref)[:80]}: only local references "
-                                         "(#/...) are resolved")
+            raise self.bad(
+                "the schema", f"has the $ref {json.dumps(ref)[:80]}: only local references (#/...) are resolved"
+            )
         target: Any = self.root
         for part in ref[2:].split("/"):
             if not isinstance(target, dict) or part not in target:

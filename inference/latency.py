@@ -32,8 +32,12 @@ class Histogram:
         return None
 
     def summary(self) -> dict[str, Any]:
-        return {"count": self.total, "p50_ms": self.quantile(0.5), "p95_ms": self.quantile(0.95),
-                "p99_ms": self.quantile(0.99)}
+        return {
+            "count": self.total,
+            "p50_ms": self.quantile(0.5),
+            "p95_ms": self.quantile(0.95),
+            "p99_ms": self.quantile(0.99),
+        }
 
 
 class RouteLatency:

@@ -7,7 +7,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
@@ -20,8 +20,8 @@ from django.http.request import split_domain_port, validate_host
 from django.urls import Resolver404, resolve
 from rest_framework.utils.mediatypes import media_type_matches
 
-from inference import latency
 from hypnos_site.errors import InvalidRequest, PermissionDenied, UnsupportedMediaType
+from inference import latency
 from inference.parsers import multipart_problem
 from inference.views import UnknownRouteView
 
@@ -75,7 +75,9 @@ class RequestIdMiddleware(_Middleware):
         if match is not None and match.route and "^" not in match.route:
             route = "/" + match.route.removeprefix("api/")
             if isinstance(response, StreamingHttpResponse) and response.is_async:
-                response.streaming_content = _timed(response.streaming_content, route, request)
+                # is_async: the content is the async iterator Django gave it.
+                content = cast(AsyncIterator[bytes], response.streaming_content)
+                response.streaming_content = _timed(content, route, request)
             else:
                 _observe(route, request)
         return response
@@ -186,7 +188,7 @@ def _media_type_refusal(request: HttpRequest) -> HttpResponseBase | None:
     if media_type and any(media_type_matches(accepted_type, media_type) for accepted_type in accepted):
         return _multipart_refusal(request)
     # A body the route cannot read, or a preflight-free type even without a body.
-    if not _has_body(request) and not request.content_type.lower().startswith(SIMPLE_MEDIA_TYPES):
+    if not _has_body(request) and not (request.content_type or "").lower().startswith(SIMPLE_MEDIA_TYPES):
         return None
     return UnsupportedMediaType(
         f"Content-Type {media_type[:100]!r} is not accepted here; send {' or '.join(accepted)}.",
@@ -222,12 +224,12 @@ class RealtimeOriginValidator(OriginValidator):
         super().__init__(application, allowed_origins=[])
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> Any:
-        if self.handshake_allowed(_header(scope, b"host"), _header(scope, b"origin")):
+        if self.handshake_allowed(_header(scope, b"host") or "", _header(scope, b"origin")):
             return await self.application(scope, receive, send)
         return await WebsocketDenier()(scope, receive, send)
 
     def handshake_allowed(self, host: str, origin: str | None) -> bool:
-        domain, _ = split_domain_port(host or "")
+        domain, _ = split_domain_port(host)
         if not domain or not validate_host(domain, settings.ALLOWED_HOSTS):
             return False
         return origin is None or origin_allowed(origin, host)

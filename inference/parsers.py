@@ -4,6 +4,7 @@ as a 400 invalid_request_error in the spec's envelope."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from django.conf import settings
@@ -27,7 +28,7 @@ class JSONParser(parsers.JSONParser):
     without recursion, so nothing downstream (pydantic, the request log, grammar building)
     meets a structure deeper than the limit."""
 
-    def parse(self, stream: Any, media_type: str | None = None, parser_context: dict | None = None) -> Any:
+    def parse(self, stream: Any, media_type: str | None = None, parser_context: Mapping[str, Any] | None = None) -> Any:
         encoding = (parser_context or {}).get("encoding", settings.DEFAULT_CHARSET)
         raw = stream.read() if stream is not None else b""
         try:
@@ -73,7 +74,7 @@ class MultiPartParser(parsers.MultiPartParser):
     past Django's field and file counts (DATA_UPLOAD_MAX_NUMBER_FIELDS / _FILES, which raise
     SuspiciousOperation: a 500 through DRF) is a 400 naming the problem, in the envelope."""
 
-    def parse(self, stream: Any, media_type: str | None = None, parser_context: dict | None = None) -> Any:
+    def parse(self, stream: Any, media_type: str | None = None, parser_context: Mapping[str, Any] | None = None) -> Any:
         try:
             return super().parse(stream, media_type, parser_context)
         except ParseError as exc:

@@ -70,8 +70,11 @@ class ChatMessage(_Wire):
         text itself is removed, so markers and images always pair up)."""
         if not isinstance(self.content, list):
             return self.text().replace(IMAGE_MARKER, "")
-        return "".join(part.text.replace(IMAGE_MARKER, "") if isinstance(part, TextPart) else IMAGE_MARKER
-                       for part in self.content if isinstance(part, TextPart | ImageUrlPart))
+        return "".join(
+            part.text.replace(IMAGE_MARKER, "") if isinstance(part, TextPart) else IMAGE_MARKER
+            for part in self.content
+            if isinstance(part, TextPart | ImageUrlPart)
+        )
 
     def image_urls(self) -> list[str]:
         if not isinstance(self.content, list):
@@ -187,13 +190,14 @@ class ChatCompletionRequest(SamplingFields):
         return True, THINKING_BUDGETS[effort]
 
     def tool_choice_value(self) -> str | dict[str, str]:
-        """"auto" | "none" | "required" | {"name": ...}, checked against `tools`."""
+        """ "auto" | "none" | "required" | {"name": ...}, checked against `tools`."""
         choice = self.tool_choice or "auto"
         if isinstance(choice, NamedToolChoice):
             names = {t.function.name for t in self.tools or []}
             if choice.function.name not in names:
-                raise InvalidRequest(f"tool_choice names {choice.function.name!r}, which is not in tools",
-                                     param="tool_choice")
+                raise InvalidRequest(
+                    f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice"
+                )
             return {"name": choice.function.name}
         if choice == "required" and not self.tools:
             raise InvalidRequest("tool_choice is required but no tools were sent", param="tool_choice")
@@ -321,8 +325,11 @@ def parse_body(model: type[M], data: Any) -> M:
     where = lone_surrogate_at(data)
     if where is not None:
         param = ".".join(where) or None
-        raise InvalidRequest(f"Invalid value for {param}: the string holds a lone UTF-16 surrogate "
-                             "(an unpaired \\ud800-\\udfff escape), which is not a character.", param=param)
+        raise InvalidRequest(
+            f"Invalid value for {param}: the string holds a lone UTF-16 surrogate "
+            "(an unpaired \\ud800-\\udfff escape), which is not a character.",
+            param=param,
+        )
     try:
         return model.model_validate(data)
     except ValidationError as exc:

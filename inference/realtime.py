@@ -30,9 +30,9 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.urls import path
 
-from inference.runtime import get_client
 from hypnos_site.errors import HypnosError, ServerError
 from inference.protocol_media import TranscriptionRequest
+from inference.runtime import get_client
 from inference.serving.context import RequestContext
 from inference.serving.render import ws_error
 
@@ -80,8 +80,15 @@ def _id(prefix: str) -> str:
 
 
 def wav_bytes(pcm: bytes) -> bytes:
-    return (b"RIFF" + struct.pack("<I", 36 + len(pcm)) + b"WAVEfmt "
-            + struct.pack("<IHHIIHH", 16, 1, 1, RATE, RATE * 2, 2, 16) + b"data" + struct.pack("<I", len(pcm)) + pcm)
+    return (
+        b"RIFF"
+        + struct.pack("<I", 36 + len(pcm))
+        + b"WAVEfmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, RATE, RATE * 2, 2, 16)
+        + b"data"
+        + struct.pack("<I", len(pcm))
+        + pcm
+    )
 
 
 def frame_level(pcm: bytes) -> float:
@@ -115,7 +122,7 @@ class ServerVad:
         at = end - len(self.pending) // 2
         events = []
         while len(self.pending) >= FRAME * 2:
-            frame, self.pending = bytes(self.pending[: FRAME * 2]), self.pending[FRAME * 2:]
+            frame, self.pending = bytes(self.pending[: FRAME * 2]), self.pending[FRAME * 2 :]
             voiced = frame_level(frame) >= self.threshold * VAD_LEVEL_PER_THRESHOLD
             at += FRAME
             if voiced:
@@ -154,8 +161,15 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         check = await database_sync_to_async(check_authorization)(header)
         if check.refused:
             self.refused = True
-            await self.send_event("error", error={"type": "invalid_request_error", "code": "invalid_api_key",
-                                                  "message": check.problem, "param": None})
+            await self.send_event(
+                "error",
+                error={
+                    "type": "invalid_request_error",
+                    "code": "invalid_api_key",
+                    "message": check.problem,
+                    "param": None,
+                },
+            )
             await self.close(code=1008)
             return
         self.transcription_session = query.get("intent", [""])[0] == "transcription"
@@ -163,8 +177,11 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
             "id": _id("sess"),
             "object": "realtime.transcription_session" if self.transcription_session else "realtime.session",
             "input_audio_format": "pcm16",
-            "input_audio_transcription": {"model": self._model(query.get("model", [""])[0]),
-                                          "language": None, "prompt": ""},
+            "input_audio_transcription": {
+                "model": self._model(query.get("model", [""])[0]),
+                "language": None,
+                "prompt": "",
+            },
             "turn_detection": dict(DEFAULT_VAD),
         }
         self.buffer = bytearray()
@@ -199,16 +216,26 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         detection = self.session.get("turn_detection")
         if not detection:
             return None
-        return ServerVad(threshold=float(detection.get("threshold", 0.5)),
-                         prefix_padding_ms=int(detection.get("prefix_padding_ms", 300)),
-                         silence_duration_ms=int(detection.get("silence_duration_ms", 500)))
+        return ServerVad(
+            threshold=float(detection.get("threshold", 0.5)),
+            prefix_padding_ms=int(detection.get("prefix_padding_ms", 300)),
+            silence_duration_ms=int(detection.get("silence_duration_ms", 500)),
+        )
 
     async def send_event(self, kind: str, **fields: Any) -> None:
         await self.send(text_data=json.dumps({"event_id": _id("event"), "type": kind, **fields}))
 
     async def error(self, message: str, code: str, event_id: str | None = None, param: str | None = None) -> None:
-        await self.send_event("error", error={"type": "invalid_request_error", "code": code, "message": message,
-                                              "param": param, "event_id": event_id})
+        await self.send_event(
+            "error",
+            error={
+                "type": "invalid_request_error",
+                "code": code,
+                "message": message,
+                "param": param,
+                "event_id": event_id,
+            },
+        )
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         if self.refused:
@@ -227,8 +254,11 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
             "input_audio_buffer.clear": self._clear,
         }.get(kind)
         if handler is None:
-            await self.error(f"Unsupported event type {kind!r}: this server does realtime transcription.",
-                             "unsupported_event", event.get("event_id"))
+            await self.error(
+                f"Unsupported event type {kind!r}: this server does realtime transcription.",
+                "unsupported_event",
+                event.get("event_id"),
+            )
             return
         await handler(event)
 
@@ -236,13 +266,18 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         update = event.get("session") or {}
         audio_format = update.get("input_audio_format", "pcm16")
         if audio_format != "pcm16":
-            await self.error("input_audio_format must be pcm16 (24 kHz mono).", "invalid_value", event.get("event_id"),
-                             "session.input_audio_format")
+            await self.error(
+                "input_audio_format must be pcm16 (24 kHz mono).",
+                "invalid_value",
+                event.get("event_id"),
+                "session.input_audio_format",
+            )
             return
         if "input_audio_transcription" in update:
             transcription = update["input_audio_transcription"] or {}
             self.session["input_audio_transcription"].update(
-                {k: v for k, v in transcription.items() if k in ("model", "language", "prompt")})
+                {k: v for k, v in transcription.items() if k in ("model", "language", "prompt")}
+            )
         if "turn_detection" in update:
             detection = update["turn_detection"]
             self.session["turn_detection"] = {**DEFAULT_VAD, **detection} if detection else None
@@ -257,14 +292,22 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
             return
         limits = settings.HYPNOS.limits
         if len(self.buffer) + len(pcm) > limits.max_audio_bytes:
-            await self.error(f"The input audio buffer would exceed limits.max_audio_bytes ({limits.max_audio_bytes}).",
-                             "buffer_too_large", event.get("event_id"), "audio")
+            await self.error(
+                f"The input audio buffer would exceed limits.max_audio_bytes ({limits.max_audio_bytes}).",
+                "buffer_too_large",
+                event.get("event_id"),
+                "audio",
+            )
             return
         # pcm16 at 24 kHz: two bytes a sample. A turn longer than this would be refused anyway.
         if (len(self.buffer) + len(pcm)) / (2 * RATE) > limits.max_audio_secs:
-            await self.error(f"The input audio buffer would exceed limits.max_audio_secs "
-                             f"({limits.max_audio_secs:g} s); commit or clear it.",
-                             "buffer_too_large", event.get("event_id"), "audio")
+            await self.error(
+                f"The input audio buffer would exceed limits.max_audio_secs "
+                f"({limits.max_audio_secs:g} s); commit or clear it.",
+                "buffer_too_large",
+                event.get("event_id"),
+                "audio",
+            )
             return
         self.buffer += pcm
         self.received += len(pcm) // 2
@@ -277,17 +320,20 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                 keep_from = max(sample - self.vad.prefix_padding_ms * RATE // 1000, self.buffer_start)
                 del self.buffer[: (keep_from - self.buffer_start) * 2]
                 self.buffer_start = keep_from
-                await self.send_event("input_audio_buffer.speech_started", audio_start_ms=sample * 1000 // RATE,
-                                      item_id=self.item_id)
+                await self.send_event(
+                    "input_audio_buffer.speech_started", audio_start_ms=sample * 1000 // RATE, item_id=self.item_id
+                )
             else:
-                await self.send_event("input_audio_buffer.speech_stopped", audio_end_ms=sample * 1000 // RATE,
-                                      item_id=self.item_id)
+                await self.send_event(
+                    "input_audio_buffer.speech_stopped", audio_end_ms=sample * 1000 // RATE, item_id=self.item_id
+                )
                 await self._commit(upto=sample)
 
     async def _commit_request(self, event: dict[str, Any]) -> None:
         if not self.buffer:
-            await self.error("The input audio buffer is empty.", "input_audio_buffer_commit_empty",
-                             event.get("event_id"))
+            await self.error(
+                "The input audio buffer is empty.", "input_audio_buffer_commit_empty", event.get("event_id")
+            )
             return
         await self._commit(upto=self.received)
 
@@ -297,9 +343,18 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         self.buffer_start = upto
         item_id, self.item_id = self.item_id or _id("item"), None
         await self.send_event("input_audio_buffer.committed", previous_item_id=self.previous_item_id, item_id=item_id)
-        await self.send_event("conversation.item.created", previous_item_id=self.previous_item_id, item={
-            "id": item_id, "object": "realtime.item", "type": "message", "status": "completed", "role": "user",
-            "content": [{"type": "input_audio", "transcript": None}]})
+        await self.send_event(
+            "conversation.item.created",
+            previous_item_id=self.previous_item_id,
+            item={
+                "id": item_id,
+                "object": "realtime.item",
+                "type": "message",
+                "status": "completed",
+                "role": "user",
+                "content": [{"type": "input_audio", "transcript": None}],
+            },
+        )
         self.previous_item_id = item_id
         await self.turns.put((item_id, audio))
 
@@ -322,24 +377,39 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
             item_id, audio = turn
             options = self.session["input_audio_transcription"]
             try:
-                request = TranscriptionRequest(model=options.get("model") or "", language=options.get("language"),
-                                               prompt=options.get("prompt") or None)
+                request = TranscriptionRequest(
+                    model=options.get("model") or "",
+                    language=options.get("language"),
+                    prompt=options.get("prompt") or None,
+                )
                 ctx = RequestContext("req-" + uuid.uuid4().hex)
                 _call, done = await transcribe(get_client(), request, wav_bytes(audio), ctx)
             except Exception as exc:  # a turn must not end the session
                 if not isinstance(exc, HypnosError):
                     log.exception("realtime transcription failed")
                     exc = ServerError(f"{type(exc).__name__}: {exc}")
-                await self.send_event("conversation.item.input_audio_transcription.failed", item_id=item_id,
-                                      content_index=0, error=ws_error(exc))
+                await self.send_event(
+                    "conversation.item.input_audio_transcription.failed",
+                    item_id=item_id,
+                    content_index=0,
+                    error=ws_error(exc),
+                )
                 continue
             result = done.result or {}
             for segment in result["segments"]:
-                await self.send_event("conversation.item.input_audio_transcription.delta", item_id=item_id,
-                                      content_index=0, delta=segment["text"])
-            await self.send_event("conversation.item.input_audio_transcription.completed", item_id=item_id,
-                                  content_index=0, transcript=result["text"],
-                                  hypnos_telemetry=done.telemetry)
+                await self.send_event(
+                    "conversation.item.input_audio_transcription.delta",
+                    item_id=item_id,
+                    content_index=0,
+                    delta=segment["text"],
+                )
+            await self.send_event(
+                "conversation.item.input_audio_transcription.completed",
+                item_id=item_id,
+                content_index=0,
+                transcript=result["text"],
+                hypnos_telemetry=done.telemetry,
+            )
 
 
 websocket_urlpatterns = [

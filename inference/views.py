@@ -10,9 +10,8 @@ from django.http import HttpRequest, JsonResponse
 from rest_framework.request import Request
 
 from hypnos_site import __version__
-from inference import latency
-from inference.runtime import get_client
 from hypnos_site.errors import InvalidRequest, NotFound
+from inference import latency
 from inference.parsers import JSONParser, MultiPartParser
 from inference.protocol import (
     AdvisorRequest,
@@ -26,6 +25,7 @@ from inference.protocol import (
     parse_body,
 )
 from inference.protocol_media import EmbeddingRequest, SpeechRequest
+from inference.runtime import get_client
 from inference.serving import advisor, audio, chat, completions, embeddings, lemonade, models, pool, responses
 from inference.serving.context import RequestContext
 from models_registry.authentication import IsAdminKey, IsAdminKeyForChanges, is_admin
@@ -264,4 +264,3 @@ def handler500(request: HttpRequest) -> JsonResponse:
     from hypnos_site.errors import ServerError
 
     return ServerError("internal error").response()
-

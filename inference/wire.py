@@ -111,8 +111,10 @@ class EntityWork(_Work):
     options: dict[str, Any] = {}
 
 
-Work = Annotated[GenerateWork | EmbedWork | TranscribeWork | SpeechWork | ImageWork | DocumentWork | EntityWork,
-                 Field(discriminator="kind")]
+Work = Annotated[
+    GenerateWork | EmbedWork | TranscribeWork | SpeechWork | ImageWork | DocumentWork | EntityWork,
+    Field(discriminator="kind"),
+]
 MediaWorkKind = Literal["embed", "transcribe", "speech"]
 
 
@@ -134,8 +136,19 @@ class EngineRequest(_Work):
 
 
 ControlOp = Literal[
-    "status", "memory_status", "move", "set_limits", "kv_park", "enable", "disable", "moe_offload", "fault",
-    "add_model", "replace_model", "remove_model", "update_model",
+    "status",
+    "memory_status",
+    "move",
+    "set_limits",
+    "kv_park",
+    "enable",
+    "disable",
+    "moe_offload",
+    "fault",
+    "add_model",
+    "replace_model",
+    "remove_model",
+    "update_model",
 ]
 
 
@@ -187,9 +200,18 @@ class ChangeModelArgs(RemoveModelArgs):
 
 
 CONTROL_ARGS: dict[str, type[_Work]] = {
-    "status": NoArgs, "memory_status": NoArgs, "move": MoveArgs, "set_limits": SetLimitsArgs, "kv_park": KvParkArgs,
-    "enable": ModelArgs, "disable": ModelArgs, "moe_offload": MoeOffloadArgs, "fault": FaultArgs,
-    "add_model": AddModelArgs, "replace_model": ChangeModelArgs, "update_model": ChangeModelArgs,
+    "status": NoArgs,
+    "memory_status": NoArgs,
+    "move": MoveArgs,
+    "set_limits": SetLimitsArgs,
+    "kv_park": KvParkArgs,
+    "enable": ModelArgs,
+    "disable": ModelArgs,
+    "moe_offload": MoeOffloadArgs,
+    "fault": FaultArgs,
+    "add_model": AddModelArgs,
+    "replace_model": ChangeModelArgs,
+    "update_model": ChangeModelArgs,
     "remove_model": RemoveModelArgs,
 }
 
@@ -317,8 +339,13 @@ class Error:
 
     @classmethod
     def of(cls, exc: HypnosError) -> Error:
-        return cls(error_class=type(exc).__name__, message=exc.message, param=exc.param, code=exc.code,
-                   retry_after=exc.headers.get("Retry-After"))
+        return cls(
+            error_class=type(exc).__name__,
+            message=exc.message,
+            param=exc.param,
+            code=exc.code,
+            retry_after=exc.headers.get("Retry-After"),
+        )
 
     def exception(self) -> HypnosError:
         """The typed exception this event stands for: the one place an error event turns back

@@ -9,8 +9,18 @@ from logs.models import RequestLogEntry
 class RequestLogEntryAdmin(admin.ModelAdmin):
     """Read-only: entries are written by the server only."""
 
-    list_display = ["started_at", "request_id", "route", "status", "key_label", "model", "tokens_in", "tokens_out",
-                    "duration_ms", "level"]
+    list_display = [
+        "started_at",
+        "request_id",
+        "route",
+        "status",
+        "key_label",
+        "model",
+        "tokens_in",
+        "tokens_out",
+        "duration_ms",
+        "level",
+    ]
     list_filter = ["route", "status", "level", "key_label"]
     search_fields = ["request_id", "model"]
 

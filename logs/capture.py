@@ -22,12 +22,23 @@ CANCELLED = "cancelled"
 
 # The token-counting routes (spec and compat.md) under /v1 and /api/v1; a POST to one of them is
 # an inference call: it is counted against the key's limits and recorded in the request log.
-INFERENCE_ROUTES = frozenset({
-    "chat/completions", "completions", "responses", "embeddings",
-    "audio/transcriptions", "audio/translations", "audio/speech",
-    "images/generations", "images/edits", "images/variations", "images/upscale",
-    "documents/convert", "entities",
-})
+INFERENCE_ROUTES = frozenset(
+    {
+        "chat/completions",
+        "completions",
+        "responses",
+        "embeddings",
+        "audio/transcriptions",
+        "audio/translations",
+        "audio/speech",
+        "images/generations",
+        "images/edits",
+        "images/variations",
+        "images/upscale",
+        "documents/convert",
+        "entities",
+    }
+)
 
 
 def inference_route(path: str) -> str | None:
@@ -35,7 +46,7 @@ def inference_route(path: str) -> str | None:
     rest = path.removeprefix("/api")
     if not rest.startswith("/v1/"):
         return None
-    route = rest[len("/v1/"):].rstrip("/")
+    route = rest[len("/v1/") :].rstrip("/")
     return f"/v1/{route}" if route in INFERENCE_ROUTES else None
 
 

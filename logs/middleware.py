@@ -52,8 +52,11 @@ log = logging.getLogger(__name__)
 MAX_PAYLOAD_BYTES = 1 << 17
 SCHEDULER_REFUSALS = ("model_busy", "deadline_unmeetable")
 # The chat families, each from the engine timing of the same name.
-CHAT_TIMINGS = (("hypnos_chat_ttft_ms", "ttft_ms"), ("hypnos_chat_decode_tokens_per_s", "decode_tokens_per_s"),
-                ("hypnos_chat_prefill_tokens_per_s", "prefill_tokens_per_s"))
+CHAT_TIMINGS = (
+    ("hypnos_chat_ttft_ms", "ttft_ms"),
+    ("hypnos_chat_decode_tokens_per_s", "decode_tokens_per_s"),
+    ("hypnos_chat_prefill_tokens_per_s", "prefill_tokens_per_s"),
+)
 DISCONNECTED = "the client disconnected before the response was complete"
 
 
@@ -126,9 +129,14 @@ class InferenceCallAccount:
             return None
         if self.model_name and not principal.may_use(self.model_name):
             self.refused_by_key = True
-            return self.refuse(PermissionDenied(
-                f"The key {principal.label!r} may not use the model {self.model_name!r}; it may use "
-                f"{', '.join(principal.models)}.", param="model", code="model_not_allowed"))
+            return self.refuse(
+                PermissionDenied(
+                    f"The key {principal.label!r} may not use the model {self.model_name!r}; it may use "
+                    f"{', '.join(principal.models)}.",
+                    param="model",
+                    code="model_not_allowed",
+                )
+            )
         if not principal.limited:
             return None
         try:
@@ -184,8 +192,9 @@ class InferenceCallAccount:
         try:
             await get_quotas().renew(self.permit, STREAM_LEASE_SECS)
         except Exception:
-            log.warning("%s: renewing the concurrency permit of %s failed", self.request_id, self.permit.label,
-                        exc_info=True)
+            log.warning(
+                "%s: renewing the concurrency permit of %s failed", self.request_id, self.permit.label, exc_info=True
+            )
 
     async def finish(self, status: int, problem: str | None = None) -> None:
         """Charge, release, count and log, once; a failure here never reaches the client."""
@@ -253,13 +262,24 @@ class InferenceCallAccount:
             tokens_out = record.deltas
         telemetry = record.telemetry or {}
         fields: dict[str, Any] = {
-            "request_id": self.request_id, "route": self.route, "method": self.request.method or "POST",
-            "status": status, "key_label": self.principal.label if self.principal else None,
-            "started_at": self.started_at, "duration_ms": round(duration_ms, 1), "model": self.model_id or "",
-            "stream": self.stream, "tokens_in": tokens_in, "tokens_out": tokens_out, "cached_tokens": cached,
-            "tokens_per_s": record.tokens_per_s(), "inference_ms": telemetry.get("inference_latency_ms"),
+            "request_id": self.request_id,
+            "route": self.route,
+            "method": self.request.method or "POST",
+            "status": status,
+            "key_label": self.principal.label if self.principal else None,
+            "started_at": self.started_at,
+            "duration_ms": round(duration_ms, 1),
+            "model": self.model_id or "",
+            "stream": self.stream,
+            "tokens_in": tokens_in,
+            "tokens_out": tokens_out,
+            "cached_tokens": cached,
+            "tokens_per_s": record.tokens_per_s(),
+            "inference_ms": telemetry.get("inference_latency_ms"),
             "tier_switch_ms": telemetry.get("tier_switch_latency_ms"),
-            "previous_tier": telemetry.get("previous_tier") or "", "error": record.error or "", "level": level,
+            "previous_tier": telemetry.get("previous_tier") or "",
+            "error": record.error or "",
+            "level": level,
             "finish_reason": CANCELLED if self.cancelled else record.finish_reason or "",
         }
         truncated = False
@@ -286,12 +306,16 @@ def record_observations(record: CallRecord, route: str, duration_ms: float, ok: 
     found: list[Observation] = []
     if record.work == "chat":
         if route == "/v1/chat/completions":
-            found += [observation(name, engine[field], model=model) for name, field in CHAT_TIMINGS
-                      if isinstance(engine.get(field), (int, float))]
+            found += [
+                observation(name, engine[field], model=model)
+                for name, field in CHAT_TIMINGS
+                if isinstance(engine.get(field), (int, float))
+            ]
         if record.tokens_in is not None:
             reused = record.cached_tokens or 0
-            found.append(observation("hypnos_prefix_cache_hits" if reused else "hypnos_prefix_cache_misses", 1,
-                                     model=model))
+            found.append(
+                observation("hypnos_prefix_cache_hits" if reused else "hypnos_prefix_cache_misses", 1, model=model)
+            )
             found.append(observation("hypnos_prefix_cache_tokens_reused", reused, model=model))
     elif record.work == "speech":
         if record.rtf is not None:

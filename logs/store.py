@@ -26,7 +26,7 @@ def store_entry(fields: dict[str, Any]) -> RequestLogEntry:
     """Add an entry and drop what the ring buffer no longer holds (sync: runs in a thread)."""
     entry = RequestLogEntry.objects.create(**fields)
     keep = capacity()
-    oldest_kept = list(RequestLogEntry.objects.order_by("-id").values_list("id", flat=True)[keep - 1:keep])
+    oldest_kept = list(RequestLogEntry.objects.order_by("-id").values_list("id", flat=True)[keep - 1 : keep])
     if oldest_kept:
         RequestLogEntry.objects.filter(id__lt=oldest_kept[0]).delete()
     return entry
@@ -47,13 +47,19 @@ class LogQuery:
         """Read and check the query string; a bad value is a 400 naming it."""
         status = params.get("status") or None
         if status is not None and status not in STATUS_FILTERS and not (status.isdigit() and len(status) == 3):
-            raise InvalidRequest(f"status must be one of {', '.join(STATUS_FILTERS)} or an HTTP status, not "
-                                 f"{status!r}.", param="status")
+            raise InvalidRequest(
+                f"status must be one of {', '.join(STATUS_FILTERS)} or an HTTP status, not {status!r}.", param="status"
+            )
         limit = params.get("limit") or None
         if limit is not None and (not limit.isdigit() or int(limit) < 1):
             raise InvalidRequest(f"limit must be a positive integer, not {limit!r}.", param="limit")
-        return cls(model=params.get("model") or None, route=_route(params.get("route")), status=status,
-                   key=params.get("key") or None, limit=int(limit) if limit else None)
+        return cls(
+            model=params.get("model") or None,
+            route=_route(params.get("route")),
+            status=status,
+            key=params.get("key") or None,
+            limit=int(limit) if limit else None,
+        )
 
     def apply(self, entries: QuerySet[RequestLogEntry]) -> QuerySet[RequestLogEntry]:
         if self.model:

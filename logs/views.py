@@ -33,8 +33,9 @@ class RequestLogView(APIView):
         query = LogQuery.from_params(request.query_params)
         entries = visible_entries(request)
         records = [entry.as_record() async for entry in query.apply(entries)]
-        return JsonResponse({"level": await levels.get(), "capacity": capacity(),
-                             "stored": await entries.acount(), "records": records})
+        return JsonResponse(
+            {"level": await levels.get(), "capacity": capacity(), "stored": await entries.acount(), "records": records}
+        )
 
     async def delete(self, request: Request) -> JsonResponse:
         await RequestLogEntry.objects.all().adelete()
@@ -56,6 +57,6 @@ class RequestLogLevelView(APIView):
     async def post(self, request: Request) -> JsonResponse:
         level = request.data.get("level") if isinstance(request.data, dict) else None
         if not isinstance(level, str):
-            raise InvalidRequest("The body must be {\"level\": \"off|error|warn|info|debug|trace\"}.", param="level")
+            raise InvalidRequest('The body must be {"level": "off|error|warn|info|debug|trace"}.', param="level")
         await levels.set(level)
         return JsonResponse({"level": level})

@@ -59,8 +59,14 @@ class _Cursor:
         self.pos += struct.calcsize("<" + fmt)
         return value
 
+    def uint(self, fmt: str) -> int:
+        """An unsigned integer field ("I" or "Q"), which struct unpacks as an int."""
+        value = self.take(fmt)
+        assert isinstance(value, int)
+        return value
+
     def string(self) -> str:
-        length = int(self.take("Q"))  # type: ignore[arg-type]
+        length = self.uint("Q")
         raw = self.buf[self.pos : self.pos + length]
         self.pos += length
         return raw.decode("utf-8", errors="replace")
@@ -74,7 +80,7 @@ class _Cursor:
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
-            item_type, count = int(self.take("I")), int(self.take("Q"))  # type: ignore[arg-type]
+            item_type, count = self.uint("I"), self.uint("Q")
             if item_type == _STRING:
                 for _ in range(count):
                     self.skip_string()
@@ -104,20 +110,20 @@ def read_gguf(path: str | Path) -> GgufInfo:
         version = cur.take("I")
         if version not in (2, 3):
             raise GgufError(f"{path}: GGUF version {version} is not supported")
-        n_tensors, n_kv = int(cur.take("Q")), int(cur.take("Q"))  # type: ignore[arg-type]
+        n_tensors, n_kv = cur.uint("Q"), cur.uint("Q")
         info = GgufInfo({})
         for _ in range(n_kv):
             key = cur.string()
-            value = cur.value(int(cur.take("I")))  # type: ignore[arg-type]
+            value = cur.value(cur.uint("I"))
             if isinstance(value, _ArrayLength):
                 info.array_lengths[key] = int(value)
             else:
                 info.metadata[key] = value
         for _ in range(n_tensors):
             name = cur.string()
-            n_dims = int(cur.take("I"))  # type: ignore[arg-type]
-            dims = [int(cur.take("Q")) for _ in range(n_dims)]  # type: ignore[arg-type]
-            ggml_type = int(cur.take("I"))  # type: ignore[arg-type]
+            n_dims = cur.uint("I")
+            dims = [cur.uint("Q") for _ in range(n_dims)]
+            ggml_type = cur.uint("I")
             cur.take("Q")  # offset
             info.tensors.append(GgufTensor(name, tensor_bytes(ggml_type, dims)))
         return info

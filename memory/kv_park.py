@@ -55,8 +55,9 @@ class KvParking:
     """Parked states by model, capped at `max_bytes`; the least recently parked go first. Slots
     idle for longer than `idle_timeout_secs` (when set) are dropped."""
 
-    def __init__(self, enabled: bool, max_bytes: int, idle_timeout_secs: float | None = None,
-                 clock: Any = time.monotonic):
+    def __init__(
+        self, enabled: bool, max_bytes: int, idle_timeout_secs: float | None = None, clock: Any = time.monotonic
+    ):
         self.enabled = enabled
         self.max_bytes = max_bytes
         self.idle_timeout_secs = idle_timeout_secs
@@ -128,8 +129,13 @@ class KvParking:
                 "max_bytes": self.max_bytes,
                 "used_bytes": sum(s.size for s in self._states.values()),
                 "models": [
-                    {"model": model, "slots": len(s.slots), "tokens": s.tokens, "bytes": s.size,
-                     "parked_secs_ago": round(now - s.parked_at, 1)}
+                    {
+                        "model": model,
+                        "slots": len(s.slots),
+                        "tokens": s.tokens,
+                        "bytes": s.size,
+                        "parked_secs_ago": round(now - s.parked_at, 1),
+                    }
                     for model, s in self._states.items()
                 ],
             }

@@ -121,11 +121,17 @@ class TierManager:
 
     # -- registration and bookkeeping --------------------------------------------------------
 
-    def register(self, model_id: str, priority: str, footprint: Footprint,
-                 moe_offload: str = "off") -> ModelEntry:
+    def register(self, model_id: str, priority: str, footprint: Footprint, moe_offload: str = "off") -> ModelEntry:
         with self.lock:
-            entry = ModelEntry(model_id, priority, footprint, placement=cold_placement(footprint),
-                               rate=DecayingRate(self.clock), last_used=self.clock(), moe_offload=moe_offload)
+            entry = ModelEntry(
+                model_id,
+                priority,
+                footprint,
+                placement=cold_placement(footprint),
+                rate=DecayingRate(self.clock),
+                last_used=self.clock(),
+                moe_offload=moe_offload,
+            )
             self.entries[model_id] = entry
             return entry
 
@@ -267,8 +273,13 @@ class TierManager:
     def record_eviction(self, eviction: Eviction, for_model: str | None) -> None:
         with self.lock:
             self.recent_evictions.appendleft(
-                {"model": eviction.model, "for_model": for_model, "reason": eviction.reason,
-                 "to_tier": str(eviction.to_tier), "unix_ms": int(time.time() * 1000)}
+                {
+                    "model": eviction.model,
+                    "for_model": for_model,
+                    "reason": eviction.reason,
+                    "to_tier": str(eviction.to_tier),
+                    "unix_ms": int(time.time() * 1000),
+                }
             )
 
     # -- budgets -----------------------------------------------------------------------------
@@ -295,12 +306,24 @@ class TierManager:
         free = max(self.tier1_budget - used, 0)
         real = self.device.real_vram()
         if real is None:
-            return {"used": used, "free": free, "real_free": None, "real_total": None,
-                    "unaccounted": 0, "effective_free": free}
+            return {
+                "used": used,
+                "free": free,
+                "real_free": None,
+                "real_total": None,
+                "unaccounted": 0,
+                "effective_free": free,
+            }
         real_free, real_total = real
         unaccounted = max(real_total - real_free - used, 0)
-        return {"used": used, "free": free, "real_free": real_free, "real_total": real_total,
-                "unaccounted": unaccounted, "effective_free": min(free, real_free)}
+        return {
+            "used": used,
+            "free": free,
+            "real_free": real_free,
+            "real_total": real_total,
+            "unaccounted": unaccounted,
+            "effective_free": min(free, real_free),
+        }
 
     # -- decisions ---------------------------------------------------------------------------
 
@@ -308,9 +331,13 @@ class TierManager:
         """Idle models in `tiers` that the requesting model may displace, cheapest loss first."""
         requester = self.entries[for_model]
         found = [
-            e for e in self.entries.values()
-            if e.model_id != for_model and e.tier in tiers and e.leases == 0
-            and e.priority != "realtime_pinned" and e.rank <= requester.rank
+            e
+            for e in self.entries.values()
+            if e.model_id != for_model
+            and e.tier in tiers
+            and e.leases == 0
+            and e.priority != "realtime_pinned"
+            and e.rank <= requester.rank
         ]
         return sorted(found, key=lambda e: (e.rank, self._loss_cost(e), e.last_used))
 
@@ -328,8 +355,11 @@ class TierManager:
             fp, ratio, moe = entry.footprint, self.limits.min_gpu_layer_ratio, entry.moe_offload
             # Whole with the experts where the mode puts them, then (moe_offload "auto") whole
             # with some experts in tier 2, then a layer split: each with the fewest evictions.
-            attempts = [("on" if moe == "on" else "off", True), *([("auto", True)] if moe == "auto" else []),
-                        (moe, False)]
+            attempts = [
+                ("on" if moe == "on" else "off", True),
+                *([("auto", True)] if moe == "auto" else []),
+                (moe, False),
+            ]
             chosen = None
             for mode, whole in attempts:
                 chosen = chosen or self._fewest_victims(fp, context_len, free, ratio, victims, whole, mode)
@@ -362,12 +392,22 @@ class TierManager:
             return []
         lru = sorted(rest, key=lambda e: (e.rank, e.last_used))
         if len(lru) < excess:
-            raise NoRoom("insufficient_vram_or_ram",
-                         f"max_loaded_models is {self.max_resident} and the models in tier 1 are busy.")
+            raise NoRoom(
+                "insufficient_vram_or_ram",
+                f"max_loaded_models is {self.max_resident} and the models in tier 1 are busy.",
+            )
         return lru[:excess]
 
-    def _fewest_victims(self, fp: Footprint, context_len: int, free: int, ratio: float,
-                        victims: list[ModelEntry], whole: bool, moe_offload: str) -> tuple[Placement, int] | None:
+    def _fewest_victims(
+        self,
+        fp: Footprint,
+        context_len: int,
+        free: int,
+        ratio: float,
+        victims: list[ModelEntry],
+        whole: bool,
+        moe_offload: str,
+    ) -> tuple[Placement, int] | None:
         freed = 0
         for n in range(len(victims) + 1):
             if n:
@@ -394,9 +434,14 @@ class TierManager:
         """Tier-2 models to send to disk so that `needed` warm bytes fit next to `planned`."""
         entry = self.entries[model_id]
         moving = {e.model for e in planned}
-        used = self.tier2_used() - entry.tier2_bytes() + sum(
-            self.entries[e.model].footprint.weights_bytes - self.entries[e.model].tier2_bytes()
-            for e in planned if e.to_tier == MemoryTier.TIER2
+        used = (
+            self.tier2_used()
+            - entry.tier2_bytes()
+            + sum(
+                self.entries[e.model].footprint.weights_bytes - self.entries[e.model].tier2_bytes()
+                for e in planned
+                if e.to_tier == MemoryTier.TIER2
+            )
         )
         extra = []
         for victim in self.evictable(model_id, (MemoryTier.TIER2,)):
@@ -406,9 +451,11 @@ class TierManager:
                 used -= victim.tier2_bytes()
                 extra.append(Eviction(victim.model_id, MemoryTier.TIER3, "memory_budget"))
         if used + needed > self.tier2_budget:
-            raise NoRoom("insufficient_vram_or_ram",
-                         f"The model {model_id!r} needs {needed} bytes of warm host memory; the tier-2 budget "
-                         f"is {self.tier2_budget} and {used} of it is held by models that cannot move now.")
+            raise NoRoom(
+                "insufficient_vram_or_ram",
+                f"The model {model_id!r} needs {needed} bytes of warm host memory; the tier-2 budget "
+                f"is {self.tier2_budget} and {used} of it is held by models that cannot move now.",
+            )
         return extra
 
     def set_moe_offload(self, model_id: str, mode: str) -> None:
@@ -437,9 +484,11 @@ class TierManager:
                 released += victim.footprint.weights_bytes
         projected = process_memory_bytes() + added - released
         if projected > cap:
-            raise NoRoom("process_memory_cap",
-                         f"Loading {entry.model_id!r} would take the process to about {projected} bytes, above "
-                         f"hardware.max_process_memory_bytes ({cap}).")
+            raise NoRoom(
+                "process_memory_cap",
+                f"Loading {entry.model_id!r} would take the process to about {projected} bytes, above "
+                f"hardware.max_process_memory_bytes ({cap}).",
+            )
 
     # -- status ------------------------------------------------------------------------------
 

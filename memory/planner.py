@@ -110,8 +110,9 @@ def footprint_from_files(paths: list[Path], workspace_bytes: int) -> Footprint:
     )
 
 
-def plan_placement(fp: Footprint, context_len: int, free_tier1: int, min_gpu_layer_ratio: float,
-                   moe_offload: str = "off") -> Placement | None:
+def plan_placement(
+    fp: Footprint, context_len: int, free_tier1: int, min_gpu_layer_ratio: float, moe_offload: str = "off"
+) -> Placement | None:
     """The placement that puts the most of the model in tier 1 within `free_tier1` bytes: whole
     when it fits, else the first k layers (with their KV) down to `min_gpu_layer_ratio` of them,
     the rest served from tier 2. None when not even that fits.

@@ -9,8 +9,15 @@ from models_registry.models import ApiKey, ModelOverlay
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
     list_display = [
-        "label", "key_prefix", "admin", "active", "requests_per_minute", "max_concurrent", "tokens_per_day",
-        "allowed_models", "created",
+        "label",
+        "key_prefix",
+        "admin",
+        "active",
+        "requests_per_minute",
+        "max_concurrent",
+        "tokens_per_day",
+        "allowed_models",
+        "created",
     ]
     list_filter = ["admin", "active"]
     readonly_fields = ["key_prefix", "created"]

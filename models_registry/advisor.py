@@ -66,8 +66,16 @@ INTERACTIVE_ROLES = frozenset({"chat", "vision", "speech_in", "speech_out", "emb
 CHAT_ROLES = frozenset({"chat", "vision"})
 # Bits per weight of llama.cpp's mixed quantizations (its quantize tool's table, Llama-3-8B);
 # plain types come from the gguf package's block sizes.
-MIXED_QUANT_BITS = {"Q2_K": 2.96, "Q3_K_S": 3.5, "Q3_K_M": 3.91, "Q3_K_L": 4.27, "Q4_K_S": 4.58, "Q4_K_M": 4.89,
-                    "Q5_K_S": 5.54, "Q5_K_M": 5.7}
+MIXED_QUANT_BITS = {
+    "Q2_K": 2.96,
+    "Q3_K_S": 3.5,
+    "Q3_K_M": 3.91,
+    "Q3_K_L": 4.27,
+    "Q4_K_S": 4.58,
+    "Q4_K_M": 4.89,
+    "Q5_K_S": 5.54,
+    "Q5_K_M": 5.7,
+}
 PLAIN_QUANT_BITS = {"fp32": 32, "float32": 32, "fp16": 16, "float16": 16, "bf16": 16, "int8": 8, "int4": 4}
 
 
@@ -102,8 +110,9 @@ class Candidate:
         return min(context, REDUCED_CONTEXT) if reduced else context
 
 
-def variant_footprint(entry: CatalogEntry, variant: CatalogVariant, models_dir: Path,
-                      machine_platform: str) -> Footprint:
+def variant_footprint(
+    entry: CatalogEntry, variant: CatalogVariant, models_dir: Path, machine_platform: str
+) -> Footprint:
     """What the variant needs in memory: a GGUF on disk is read (plus its other files), else
     the catalog's estimate stands in; engines without a GGUF hold their files plus a workspace.
     Raises LookupError when a GGUF variant is neither on disk nor estimated."""
@@ -112,8 +121,12 @@ def variant_footprint(entry: CatalogEntry, variant: CatalogVariant, models_dir: 
     beside = sum(f.size for f in files if f is not weights)
     estimate = variant.estimate or CatalogEstimate()
     if entry.engine != "ggml_llama":
-        return Footprint(layer_bytes=(), other_bytes=weights.size + beside, kv_bytes_per_token=0,
-                         workspace_bytes=estimate.workspace_bytes)
+        return Footprint(
+            layer_bytes=(),
+            other_bytes=weights.size + beside,
+            kv_bytes_per_token=0,
+            workspace_bytes=estimate.workspace_bytes,
+        )
     path = models_dir / weights.local
     if path.is_file():
         try:
@@ -121,8 +134,14 @@ def variant_footprint(entry: CatalogEntry, variant: CatalogVariant, models_dir: 
         except (OSError, GgufError, KeyError):
             read = None
         if read is not None:
-            return Footprint(read.layer_bytes, read.other_bytes + beside, read.kv_bytes_per_token,
-                             read.workspace_bytes, read.trained_context_len, read.layer_expert_bytes)
+            return Footprint(
+                read.layer_bytes,
+                read.other_bytes + beside,
+                read.kv_bytes_per_token,
+                read.workspace_bytes,
+                read.trained_context_len,
+                read.layer_expert_bytes,
+            )
     if not estimate.num_layers:
         raise LookupError(f"{entry.id}:{variant.quant}: the weights are not on disk and the catalog gives no estimate")
     n = estimate.num_layers
@@ -166,8 +185,9 @@ def load_candidates(catalog: Catalog, models_dir: Path, machine_platform: str) -
             if params is None:
                 bits = bits_per_weight(variant.quant)
                 if bits is None:
-                    skipped.append(f"{entry.id}:{variant.quant}: no parameter count and an unknown quantization; "
-                                   "left out.")
+                    skipped.append(
+                        f"{entry.id}:{variant.quant}: no parameter count and an unknown quantization; left out."
+                    )
                     continue
                 params = round(fp.weights_bytes * 8 / bits)
             candidates.append(Candidate(entry, variant, fp, params))
@@ -326,20 +346,33 @@ class Advice:
         c, placement = model.candidate, model.placement
         load_secs = round(c.footprint.weights_bytes / LOAD_BYTES_PER_S, 2)
         return {
-            "id": c.entry.id, "name": c.entry.name, "quant": c.variant.quant, "serves": self.serves(model),
-            "weights_bytes": c.footprint.weights_bytes, "resident_bytes": c.footprint.resident_bytes(model.context_len),
-            "runs_on_cpu": not self.budgets.gpu, "gpu_layers": placement.gpu_layers if placement else 0,
-            "num_layers": c.footprint.n_layers, "cpu_expert_layers": placement.cpu_expert_layers if placement else 0,
-            "context_len": model.context_len, "slots": 1, "initial_tier": str(model.initial_tier),
-            "priority": model.priority, "keep_warm_in_ram": c.footprint.weights_bytes <= self.budgets.tier2_bytes,
+            "id": c.entry.id,
+            "name": c.entry.name,
+            "quant": c.variant.quant,
+            "serves": self.serves(model),
+            "weights_bytes": c.footprint.weights_bytes,
+            "resident_bytes": c.footprint.resident_bytes(model.context_len),
+            "runs_on_cpu": not self.budgets.gpu,
+            "gpu_layers": placement.gpu_layers if placement else 0,
+            "num_layers": c.footprint.n_layers,
+            "cpu_expert_layers": placement.cpu_expert_layers if placement else 0,
+            "context_len": model.context_len,
+            "slots": 1,
+            "initial_tier": str(model.initial_tier),
+            "priority": model.priority,
+            "keep_warm_in_ram": c.footprint.weights_bytes <= self.budgets.tier2_bytes,
             "moe_offload": _moe_mode(c.footprint, self.budgets),
-            "load_secs_cold": load_secs, "load_secs_warm": load_secs,
+            "load_secs_cold": load_secs,
+            "load_secs_warm": load_secs,
         }
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "machine": {"vram_bytes": self.machine.vram_bytes, "ram_bytes": self.machine.ram_bytes,
-                        "unified_memory": self.machine.unified_memory},
+            "machine": {
+                "vram_bytes": self.machine.vram_bytes,
+                "ram_bytes": self.machine.ram_bytes,
+                "unified_memory": self.machine.unified_memory,
+            },
             "budgets": self.budgets.as_dict(),
             "models": [self.model_dict(m) for m in self.plan.models],
             "interactive_coresident": self.plan.coresident,
@@ -350,8 +383,9 @@ class Advice:
         }
 
 
-def recommend(catalog: Catalog, needs: list[str], machine: Machine, models_dir: Path,
-              hardware: HardwareConfig | None = None) -> Advice:
+def recommend(
+    catalog: Catalog, needs: list[str], machine: Machine, models_dir: Path, hardware: HardwareConfig | None = None
+) -> Advice:
     """The lineup for `needs` on `machine` (spec §6). Needs no catalog model serves become
     warnings; raises NoLineup when none is served or a needed model does not fit even alone."""
     hardware = hardware or HardwareConfig()
@@ -378,7 +412,8 @@ def recommend(catalog: Catalog, needs: list[str], machine: Machine, models_dir: 
             raise NoLineup(
                 f"No lineup fits: {ROLE_MODALITY[role]} needs a model, and the smallest, {smallest.spec}, needs "
                 f"{gib(smallest.footprint.resident_bytes(smallest.context_len(True)))} in tier 1, which holds "
-                f"{gib(budgets.tier1_bytes)} on this machine ({machine.describe()}).")
+                f"{gib(budgets.tier1_bytes)} on this machine ({machine.describe()})."
+            )
         choices[role] = fitting
     plan = best_plan(_assignments(choices), budgets, hardware)
     advice = Advice(needs, machine, budgets, plan, warnings + _plan_warnings(plan))
@@ -396,15 +431,21 @@ def _plan_warnings(plan: Plan) -> list[str]:
     for model in plan.models:
         c = model.candidate
         if model.reduced:
-            warnings.append(f"{c.entry.id}: {model.context_len} tokens of context and one slot, so that the "
-                            "interactive models stay in tier 1 together.")
+            warnings.append(
+                f"{c.entry.id}: {model.context_len} tokens of context and one slot, so that the "
+                "interactive models stay in tier 1 together."
+            )
         if model.placement is not None and not model.whole:
-            warnings.append(f"{c.entry.id}: only {model.placement.gpu_layers} of {c.footprint.n_layers} layers fit "
-                            "tier 1; the rest run from host memory, slower.")
+            warnings.append(
+                f"{c.entry.id}: only {model.placement.gpu_layers} of {c.footprint.n_layers} layers fit "
+                "tier 1; the rest run from host memory, slower."
+            )
     outside = [m.candidate.entry.id for m in plan.models if m.interactive and m.placement is None]
     if outside:
-        warnings.append(f"The interactive models do not fit tier 1 together: {', '.join(outside)} start outside it "
-                        "and load when asked for, evicting idle models.")
+        warnings.append(
+            f"The interactive models do not fit tier 1 together: {', '.join(outside)} start outside it "
+            "and load when asked for, evicting idle models."
+        )
     return warnings
 
 
@@ -420,15 +461,22 @@ def render_config(advice: Advice) -> str:
     ]
     if not budgets.gpu or budgets.unified_memory:
         where = "unified memory" if budgets.unified_memory else "host memory (no GPU)"
-        lines += ["[hardware]", f"# Tier 1 in {where}: the server books it as a simulated device.",
-                  f"simulated_vram_bytes = {budgets.tier1_bytes}"]
+        lines += [
+            "[hardware]",
+            f"# Tier 1 in {where}: the server books it as a simulated device.",
+            f"simulated_vram_bytes = {budgets.tier1_bytes}",
+        ]
         if budgets.unified_memory:
             lines.append(f"pinned_ram_budget_bytes = {budgets.tier2_bytes}")
         lines.append("")
     speech_in = advice.plan.assignment.get("speech_in")
     for model in advice.plan.models:
-        settings: dict[str, object] = {"context_len": model.context_len, "slots": 1,
-                                       "initial_tier": str(model.initial_tier), "priority": model.priority}
+        settings: dict[str, object] = {
+            "context_len": model.context_len,
+            "slots": 1,
+            "initial_tier": str(model.initial_tier),
+            "priority": model.priority,
+        }
         if "chat" in model.roles and speech_in is not None and not model.candidate.serves("speech_in"):
             # A chat model without an audio encoder answers input_audio through the lineup's transcriber.
             settings["speech_to_text_model"] = speech_in.entry.id

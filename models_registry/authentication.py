@@ -190,10 +190,10 @@ class HasApiKeyWhenRequired(BasePermission):
         return True
 
 
-def is_admin(principal: ApiPrincipal | None) -> bool:
+def is_admin(principal: object) -> bool:
     """Whether the caller may change the server and see what only its operator should (other
     keys' records and labels, absolute paths). `None` is the open API (no key configured)."""
-    return principal is None or principal.admin
+    return principal is None or (isinstance(principal, ApiPrincipal) and principal.admin)
 
 
 ADMIN_ONLY = (

@@ -136,7 +136,7 @@ def find_variant(catalog: Catalog, spec: str) -> tuple[CatalogEntry, CatalogVari
     if not entries:
         raise UnknownSpec(f"{spec!r} is not in the catalog (GET /v1/models/catalog lists it).")
     entry = max(entries, key=lambda e: len(e.id))
-    quant = spec[len(entry.id) + 1:] if spec != entry.id else None
+    quant = spec[len(entry.id) + 1 :] if spec != entry.id else None
     variant = next((v for v in entry.variants if (v.quant == quant if quant else v.default)), None)
     if variant is None:
         quants = ", ".join(v.quant for v in entry.variants)
@@ -161,8 +161,11 @@ def _block_lines(entry: CatalogEntry, variant: CatalogVariant, weights: CatalogF
     converted = bool(weights.package_path and weights.local.endswith(".gguf"))
     lines = [
         f"# {entry.name} ({variant.quant}), {entry.publisher}, license {entry.license}.",
-        *([f"# The GGUF is converted from the package's {weights.package_path}/ folder by manage.py convertmodels."]
-          if converted else []),
+        *(
+            [f"# The GGUF is converted from the package's {weights.package_path}/ folder by manage.py convertmodels."]
+            if converted
+            else []
+        ),
         "[[models]]",
         f'id = "{entry.id}"',
         f'modality = "{entry.modality}"',
@@ -196,8 +199,7 @@ def _file_state(config: HypnosConfig, file: CatalogFile) -> dict[str, Any]:
     path = config.models_dir / file.local
     present = path.is_file() or (path.is_dir() and any(path.iterdir()))
     shown = file.model_dump(exclude_none=True, exclude=None if file.gated else {"gated"})
-    return {**shown, "present": present,
-            "outdated": present and disk_size(path) != file.size}
+    return {**shown, "present": present, "outdated": present and disk_size(path) != file.size}
 
 
 def disk_size(path: Path) -> int:
@@ -232,21 +234,34 @@ def describe(config: HypnosConfig, catalog: Catalog, modality: str | None = None
         variants = []
         for variant in entry.variants:
             files = [_file_state(config, f) for f in variant.files]
-            variants.append({
-                **variant.model_dump(exclude={"files", "sha256", "tool_router", "estimate"}),
-                "size_bytes": sum(f.size for f in variant.files),
-                "files": files,
-                "installed": all(f["present"] for f in files),
-                "outdated": any(f["outdated"] for f in files),
-                "config_block": config_block(entry, variant),
-                **_problem(config, entry, variant),
-            })
+            variants.append(
+                {
+                    **variant.model_dump(exclude={"files", "sha256", "tool_router", "estimate"}),
+                    "size_bytes": sum(f.size for f in variant.files),
+                    "files": files,
+                    "installed": all(f["present"] for f in files),
+                    "outdated": any(f["outdated"] for f in files),
+                    "config_block": config_block(entry, variant),
+                    **_problem(config, entry, variant),
+                }
+            )
         model = configured.get(entry.id)
-        row = {**entry.model_dump(exclude={"variants"}), "configured": model is not None,
-               "enabled": bool(model and model.enabled), "variants": variants}
+        row = {
+            **entry.model_dump(exclude={"variants"}),
+            "configured": model is not None,
+            "enabled": bool(model and model.enabled),
+            "variants": variants,
+        }
         if model is not None:
-            row["configured_quant"] = next((v.quant for v in entry.variants
-                                            if any(f.local == Path(model.weights_path).name for f in v.files)), None)
+            row["configured_quant"] = next(
+                (v.quant for v in entry.variants if any(f.local == Path(model.weights_path).name for f in v.files)),
+                None,
+            )
         data.append(row)
-    return {"object": "list", "catalog_version": catalog.catalog_version, "models_dir": str(config.models_dir),
-            "tested_architectures": catalog.tested_architectures, "data": data}
+    return {
+        "object": "list",
+        "catalog_version": catalog.catalog_version,
+        "models_dir": str(config.models_dir),
+        "tested_architectures": catalog.tested_architectures,
+        "data": data,
+    }

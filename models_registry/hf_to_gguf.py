@@ -66,7 +66,8 @@ def _vocabulary(folder: Path, vocab_size: int) -> tuple[list[str], list[int]]:
         raise ConversionError(f"{folder}: the tokenizer is {tokenizer['model']['type']}, not WordPiece")
     by_id = {index: token for token, index in tokenizer["model"]["vocab"].items()}
     special = {t["id"] for t in tokenizer.get("added_tokens", []) if t.get("special")}
-    tokens, types = [], []
+    tokens: list[str] = []
+    types: list[int] = []
     for i in range(vocab_size):
         if i not in by_id:
             tokens.append(f"[PAD{i}]")

@@ -70,8 +70,9 @@ def this_machine(hardware: HardwareConfig) -> Machine:
     return Machine(vram_bytes=vram, ram_bytes=caps.installed_memory_bytes, unified_memory=unified)
 
 
-def resolve_machine(vram_bytes: int | None, ram_bytes: int | None, unified_memory: bool | None,
-                    hardware: HardwareConfig) -> Machine:
+def resolve_machine(
+    vram_bytes: int | None, ram_bytes: int | None, unified_memory: bool | None, hardware: HardwareConfig
+) -> Machine:
     """The machine the request describes; what it leaves out is this server's (unified memory
     only when vram_bytes is not given either). On unified memory vram_bytes is ignored."""
     probed: list[Machine] = []
@@ -86,7 +87,6 @@ def resolve_machine(vram_bytes: int | None, ram_bytes: int | None, unified_memor
     vram = 0 if unified_memory else vram_bytes if vram_bytes is not None else here().vram_bytes
     ram = ram_bytes if ram_bytes is not None else here().ram_bytes
     return Machine(vram_bytes=vram, ram_bytes=ram, unified_memory=unified_memory)
-
 
 
 def gib(n: int) -> str:

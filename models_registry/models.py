@@ -77,9 +77,7 @@ class ModelOverlay(models.Model):
     block = models.TextField(
         blank=True, help_text="The [[models]] block (TOML) the model runs with; its id is model_id. Empty when removed."
     )
-    source = models.CharField(
-        max_length=200, blank=True, help_text="The catalog spec the block came from, if any."
-    )
+    source = models.CharField(max_length=200, blank=True, help_text="The catalog spec the block came from, if any.")
     updated = models.DateTimeField(auto_now=True)
 
     class Meta:

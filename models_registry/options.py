@@ -48,16 +48,19 @@ def apply(model: ModelConfig, saved: dict[str, Any]) -> ModelConfig:
     try:
         return ModelConfig.model_validate(model.model_dump() | knobs | {"sampling": sampling})
     except ValidationError as exc:
-        raise PoolCheckFailed([
-            f"{err['loc'][-1]}: {err['msg']}" for err in exc.errors()
-        ]) from exc
+        raise PoolCheckFailed([f"{err['loc'][-1]}: {err['msg']}" for err in exc.errors()]) from exc
 
 
 def layers(model: ModelConfig, saved: dict[str, Any]) -> dict[str, Any]:
     """The answer of GET /v1/models/{id}/options."""
     config = config_layer(model)
-    return {"model": model.id, "defaults": defaults_layer(), "config": config, "saved": saved,
-            "effective": defaults_layer() | config | saved}
+    return {
+        "model": model.id,
+        "defaults": defaults_layer(),
+        "config": config,
+        "saved": saved,
+        "effective": defaults_layer() | config | saved,
+    }
 
 
 def reloads(old: ModelConfig, new: ModelConfig) -> bool:

@@ -28,8 +28,9 @@ def with_overlay(config: HypnosConfig) -> HypnosConfig:
     return config.model_copy(update={"models": overlay_models(config.models, rows, options)})
 
 
-def overlay_models(models: list[ModelConfig], rows: list[ModelOverlay],
-                   options: dict[str, dict[str, object]] | None = None) -> list[ModelConfig]:
+def overlay_models(
+    models: list[ModelConfig], rows: list[ModelOverlay], options: dict[str, dict[str, object]] | None = None
+) -> list[ModelConfig]:
     """The pool: `models` changed by the overlay's rows, each with its saved options."""
     pool = {model.id: model for model in models}
     for row in rows:
@@ -85,7 +86,8 @@ def save_change(config: HypnosConfig, model_id: str, block: str | None, source: 
         else:
             action = ModelOverlay.REMOVED if block is None else ModelOverlay.REPLACED if in_file else ModelOverlay.ADDED
             ModelOverlay.objects.update_or_create(
-                model_id=model_id, defaults={"action": action, "block": block or "", "source": source})
+                model_id=model_id, defaults={"action": action, "block": block or "", "source": source}
+            )
     except DatabaseError:
         log.exception("the pool change of %s could not be persisted", model_id)
         return False

@@ -46,9 +46,9 @@ def model_from_block(text: str, model_id: str | None = None) -> ModelConfig:
     try:
         return ModelConfig.model_validate(block)
     except ValidationError as exc:
-        raise PoolCheckFailed([
-            f"models.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
-        ]) from exc
+        raise PoolCheckFailed(
+            [f"models.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()]
+        ) from exc
 
 
 def check_model(config: HypnosConfig, model: ModelConfig, catalog: Catalog | None) -> ModelConfig:
@@ -77,7 +77,8 @@ def check_model(config: HypnosConfig, model: ModelConfig, catalog: Catalog | Non
     if catalog is not None and found.architecture not in catalog.tested_architectures:
         reasons.append(
             f"the GGUF's architecture {found.architecture!r} is not one of the catalog's tested_architectures "
-            f"({', '.join(catalog.tested_architectures)})")
+            f"({', '.join(catalog.tested_architectures)})"
+        )
     if reasons:
         raise PoolCheckFailed(reasons)
     return model.model_copy(update={"arch": found})
@@ -90,7 +91,9 @@ def _weights_inside(config: HypnosConfig, model: ModelConfig, reasons: list[str]
         reasons.append(f"weights_path {model.weights_path!r} is outside models_dir ({root})")
         return None
     if not path.exists():
-        reasons.append(f"weights_path {model.weights_path!r} does not exist in models_dir ({root}); "
-                       "./run.sh models <id>[:<quant>] downloads catalog models")
+        reasons.append(
+            f"weights_path {model.weights_path!r} does not exist in models_dir ({root}); "
+            "./run.sh models <id>[:<quant>] downloads catalog models"
+        )
         return None
     return path

@@ -20,9 +20,10 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import cast
 
 from django.conf import settings
 
@@ -66,14 +67,20 @@ def refusal(principal: ApiPrincipal, code: str, retry_after: float, used: int = 
     """The 429 for `code`, with the spec's message and Retry-After."""
     label = principal.label
     if code == "requests_per_minute":
-        message = (f"The key {label!r} made {principal.requests_per_minute} requests in the last minute "
-                   f"(requests_per_minute = {principal.requests_per_minute}).")
+        message = (
+            f"The key {label!r} made {principal.requests_per_minute} requests in the last minute "
+            f"(requests_per_minute = {principal.requests_per_minute})."
+        )
     elif code == "max_concurrent":
-        message = (f"The key {label!r} already has {principal.max_concurrent} calls in flight "
-                   f"(max_concurrent = {principal.max_concurrent}).")
+        message = (
+            f"The key {label!r} already has {principal.max_concurrent} calls in flight "
+            f"(max_concurrent = {principal.max_concurrent})."
+        )
     else:
-        message = (f"The key {label!r} used {used} of its {principal.tokens_per_day} tokens today "
-                   f"(tokens_per_day, UTC day); the quota resets at midnight UTC.")
+        message = (
+            f"The key {label!r} used {used} of its {principal.tokens_per_day} tokens today "
+            f"(tokens_per_day, UTC day); the quota resets at midnight UTC."
+        )
     return RateLimited(message, code=code, retry_after_secs=int(retry_after + 0.999))
 
 
@@ -211,13 +218,22 @@ class RedisQuotas(QuotaBackend):
         self.key = prefix_key
 
     def _keys(self, label: str) -> list[str]:
-        return [self.key("quota", label, "recent"), self.key("quota", label, "inflight"),
-                self.key("usage", utc_day(time.time()))]
+        return [
+            self.key("quota", label, "recent"),
+            self.key("quota", label, "inflight"),
+            self.key("usage", utc_day(time.time())),
+        ]
 
     async def admit(self, principal: ApiPrincipal) -> Permit:
         permit = Permit(principal.label, concurrent=bool(principal.max_concurrent))
-        args = [principal.label, principal.requests_per_minute or 0, principal.max_concurrent or 0,
-                principal.tokens_per_day or 0, permit.permit_id, int(admission_lease_secs() * 1000)]
+        args = [
+            principal.label,
+            principal.requests_per_minute or 0,
+            principal.max_concurrent or 0,
+            principal.tokens_per_day or 0,
+            permit.permit_id,
+            int(admission_lease_secs() * 1000),
+        ]
         code, value = await self.redis.run_script(ADMIT_LUA, self._keys(principal.label), args)
         if code == "tokens_per_day":
             raise refusal(principal, code, secs_to_midnight(time.time()), int(value))
@@ -227,8 +243,9 @@ class RedisQuotas(QuotaBackend):
 
     async def renew(self, permit: Permit, lease_secs: float) -> None:
         permit.renewed_at = time.monotonic()
-        await self.redis.run_script(RENEW_LUA, [self.key("quota", permit.label, "inflight")],
-                                    [permit.permit_id, int(lease_secs * 1000)])
+        await self.redis.run_script(
+            RENEW_LUA, [self.key("quota", permit.label, "inflight")], [permit.permit_id, int(lease_secs * 1000)]
+        )
 
     async def release(self, permit: Permit) -> None:
         await self.redis.client().zrem(self.key("quota", permit.label, "inflight"), permit.permit_id)
@@ -241,7 +258,10 @@ class RedisQuotas(QuotaBackend):
             await pipe.execute()
 
     async def tokens_today(self) -> dict[str, int]:
-        found = await self.redis.client().hgetall(self.key("usage", utc_day(time.time())))
+        # redis-py's command stubs type the asyncio client's replies as `Awaitable[T] | T`.
+        found = await cast(
+            "Awaitable[dict[str, str]]", self.redis.client().hgetall(self.key("usage", utc_day(time.time())))
+        )
         return {label: int(tokens) for label, tokens in found.items()}
 
 

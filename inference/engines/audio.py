@@ -37,8 +37,9 @@ SPEECH_FORMATS = tuple(CONTENT_TYPES)
 _BIT_RATES = {"mp3": 64_000, "opus": 48_000, "aac": 64_000}
 
 
-def decode_audio(data: bytes, rate: int = TRANSCRIBE_RATE, *, max_secs: float | None = None,
-                 param: str = "file") -> np.ndarray:
+def decode_audio(
+    data: bytes, rate: int = TRANSCRIBE_RATE, *, max_secs: float | None = None, param: str = "file"
+) -> np.ndarray:
     """Any container FFmpeg reads, as mono float32 samples at `rate`. Audio that cannot be
     decoded (not audio, truncated, no audio stream) is a 400 naming the reason and `param`.
 
@@ -130,9 +131,14 @@ def wav_header(n_samples: int | None) -> bytes:
     """A 16-bit mono WAV header at OUTPUT_RATE; None declares an open-ended stream."""
     data = OPEN_ENDED if n_samples is None else n_samples * 2
     riff = OPEN_ENDED if n_samples is None else 36 + data
-    return (b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt "
-            + struct.pack("<IHHIIHH", 16, 1, 1, OUTPUT_RATE, OUTPUT_RATE * 2, 2, 16)
-            + b"data" + struct.pack("<I", data))
+    return (
+        b"RIFF"
+        + struct.pack("<I", riff)
+        + b"WAVEfmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, OUTPUT_RATE, OUTPUT_RATE * 2, 2, 16)
+        + b"data"
+        + struct.pack("<I", data)
+    )
 
 
 # MPEG-2 Layer III (24 kHz) frames hold 576 samples. FFmpeg's decoder trims the encoder padding the
@@ -161,6 +167,7 @@ def encode(pcm: np.ndarray, response_format: str) -> bytes:
     buffer = io.BytesIO()
     with av.open(buffer, mode="w", format=container_name) as container:
         stream = container.add_stream(codec, rate=OUTPUT_RATE, layout="mono")
+        assert isinstance(stream, av.AudioStream)  # every ENCODED_FORMATS codec is an audio codec
         if response_format in _BIT_RATES:
             stream.bit_rate = _BIT_RATES[response_format]
         frame = av.AudioFrame.from_ndarray(pcm.astype(np.int16).reshape(1, -1), format="s16", layout="mono")
@@ -176,4 +183,4 @@ def encode(pcm: np.ndarray, response_format: str) -> bytes:
 def pieces(data: bytes, size: int) -> Iterator[bytes]:
     """`data` in pieces of at most `size` bytes (the channel layer caps a message near 1 MB)."""
     for start in range(0, len(data), size):
-        yield data[start:start + size]
+        yield data[start : start + size]

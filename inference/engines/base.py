@@ -44,8 +44,11 @@ class LoadPhases:
             "projector_ms": round(self.projector_ms, 1),
             "context_ms": round(self.context_ms, 1),
             "total_ms": round(self.total_ms, 1),
-            **({"kv_restore_ms": round(self.kv_restore_ms, 1), "kv_restored_tokens": self.kv_restored_tokens}
-               if self.kv_restore_ms is not None else {}),
+            **(
+                {"kv_restore_ms": round(self.kv_restore_ms, 1), "kv_restored_tokens": self.kv_restored_tokens}
+                if self.kv_restore_ms is not None
+                else {}
+            ),
         }
 
 

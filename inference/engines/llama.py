@@ -9,10 +9,11 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import llama_cpp
 import llama_cpp._internals as internals
+from llama_cpp import llama_types
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from hypnos_site.config import ENGINE_SAMPLING_DEFAULTS, LimitsConfig, ModelConfig
@@ -88,7 +89,9 @@ class LlamaEngine(Engine):
             try:
                 info = read_gguf(self.weights)
             except (OSError, ValueError, KeyError) as exc:
-                raise ModelNotAvailable(f"model {self.model.id!r}: {self.weights} is not a readable GGUF: {exc}") from exc
+                raise ModelNotAvailable(
+                    f"model {self.model.id!r}: {self.weights} is not a readable GGUF: {exc}"
+                ) from exc
             self._metadata = info.metadata
             footprint = footprint_from_info(info)
             if self.aux is not None:
@@ -127,8 +130,13 @@ class LlamaEngine(Engine):
         self._ready(llm)
         projector_ms = self._load_projector(llm, gpu_layers)
         total_ms = (time.perf_counter() - started) * 1000
-        return LoadPhases(load_mode=mode, weights_ms=total_ms - context_ms - projector_ms, context_ms=context_ms,
-                          total_ms=total_ms, projector_ms=projector_ms)
+        return LoadPhases(
+            load_mode=mode,
+            weights_ms=total_ms - context_ms - projector_ms,
+            context_ms=context_ms,
+            total_ms=total_ms,
+            projector_ms=projector_ms,
+        )
 
     def _load_projector(self, llm: llama_cpp.Llama, gpu_layers: int) -> float:
         """Bind the model block's projector (aux_path) to the loaded model; the milliseconds it took."""
@@ -252,8 +260,9 @@ class LlamaEngine(Engine):
         try:
             text = plan.prompt.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise InvalidRequest(f"The prompt is not valid Unicode: {exc.reason} at character {exc.start}.",
-                                 param=work.prompt_param) from exc
+            raise InvalidRequest(
+                f"The prompt is not valid Unicode: {exc.reason} at character {exc.start}.", param=work.prompt_param
+            ) from exc
         # Tokenised once: the prefill reuses these tokens.
         tokens = llm.tokenize(text, add_bos=plan.add_bos, special=plan.special)
         if not tokens:
@@ -288,8 +297,9 @@ class LlamaEngine(Engine):
         images_ms = (time.perf_counter() - images_started) * 1000 if work.images else 0.0
         n_ctx = llm.n_ctx()
         thoughts = self._think_block(plan, work)
-        output = AnswerOutput(on_delta, hold=plan.tool_names is not None, forced=plan.forced_prefix is not None,
-                         thoughts=thoughts)
+        output = AnswerOutput(
+            on_delta, hold=plan.tool_names is not None, forced=plan.forced_prefix is not None, thoughts=thoughts
+        )
         # A forced close of the thinking block takes a few tokens of context too.
         room = n_ctx - len(tokens) - (len(self._close_tokens(llm)) if thoughts else 0)
         result = self._decode(llm, tokens, work, plan.grammar, max(min(work.max_tokens, room), 1), cancel, output)
@@ -307,8 +317,16 @@ class LlamaEngine(Engine):
                 output.release(output.held_text())
         return result
 
-    def _decode(self, llm: llama_cpp.Llama, tokens: list[int], work: ChatWork, grammar: llama_cpp.LlamaGrammar | None,
-                max_tokens: int, cancel: threading.Event, output: AnswerOutput) -> ChatResult:
+    def _decode(
+        self,
+        llm: llama_cpp.Llama,
+        tokens: list[int],
+        work: ChatWork,
+        grammar: llama_cpp.LlamaGrammar | None,
+        max_tokens: int,
+        cancel: threading.Event,
+        output: AnswerOutput,
+    ) -> ChatResult:
         """Generate on this engine's one context, or through its slot scheduler."""
         seed = work.seed if work.seed is not None else random.randrange(2**31)
         if self._scheduler is not None and output.thoughts is not None:
@@ -316,9 +334,14 @@ class LlamaEngine(Engine):
         if self._scheduler is not None:
             llm.set_seed(seed)
             sampler = llm._init_sampler(
-                top_k=_pick(work.top_k, "top_k"), top_p=_pick(work.top_p, "top_p"), temp=_pick(work.temperature, "temperature"),
-                repeat_penalty=work.repeat_penalty, frequency_penalty=work.frequency_penalty,
-                presence_penalty=work.presence_penalty, grammar=grammar)
+                top_k=_pick(work.top_k, "top_k"),
+                top_p=_pick(work.top_p, "top_p"),
+                temp=_pick(work.temperature, "temperature"),
+                repeat_penalty=work.repeat_penalty,
+                frequency_penalty=work.frequency_penalty,
+                presence_penalty=work.presence_penalty,
+                grammar=grammar,
+            )
             top = work.top_logprobs
 
             def emit(text: str, token: int, index: int) -> None:
@@ -326,8 +349,15 @@ class LlamaEngine(Engine):
                 logprobs = token_logprobs(llm, token, piece, top, index) if top is not None and token >= 0 else None
                 output.emit(text, logprobs)
 
-            job = SlotJob(tokens=tokens, sampler=sampler, stops=StopMatcher(work.stop), max_tokens=max_tokens,
-                          cancel=cancel, emit=emit, reuse_prefix=work.seed is None)
+            job = SlotJob(
+                tokens=tokens,
+                sampler=sampler,
+                stops=StopMatcher(work.stop),
+                max_tokens=max_tokens,
+                cancel=cancel,
+                emit=emit,
+                reuse_prefix=work.seed is None,
+            )
             return self._scheduler.run(job)
         if work.seed is not None and not work.images:
             # A reused prefix re-evaluates only the tail, whose logits differ in the last bits
@@ -341,9 +371,17 @@ class LlamaEngine(Engine):
         finally:
             self._used_at = time.monotonic()
 
-    def _scheduled_thinking(self, llm: llama_cpp.Llama, tokens: list[int], work: ChatWork,
-                            grammar: llama_cpp.LlamaGrammar | None, max_tokens: int, cancel: threading.Event,
-                            output: AnswerOutput, seed: int) -> ChatResult:
+    def _scheduled_thinking(
+        self,
+        llm: llama_cpp.Llama,
+        tokens: list[int],
+        work: ChatWork,
+        grammar: llama_cpp.LlamaGrammar | None,
+        max_tokens: int,
+        cancel: threading.Event,
+        output: AnswerOutput,
+        seed: int,
+    ) -> ChatResult:
         """A thinking request on the slot scheduler, in legs: when the block must be closed the
         leg ends, and the next starts from the context plus the closing tag (the slot keeps the
         shared prefix, so only the new tokens are evaluated). Stop strings apply to the answer."""
@@ -370,13 +408,28 @@ class LlamaEngine(Engine):
 
             llm.set_seed(seed)
             sampler = llm._init_sampler(
-                top_k=_pick(work.top_k, "top_k"), top_p=_pick(work.top_p, "top_p"),
-                temp=_pick(work.temperature, "temperature"), repeat_penalty=work.repeat_penalty,
-                frequency_penalty=work.frequency_penalty, presence_penalty=work.presence_penalty, grammar=grammar)
+                top_k=_pick(work.top_k, "top_k"),
+                top_p=_pick(work.top_p, "top_p"),
+                temp=_pick(work.temperature, "temperature"),
+                repeat_penalty=work.repeat_penalty,
+                frequency_penalty=work.frequency_penalty,
+                presence_penalty=work.presence_penalty,
+                grammar=grammar,
+            )
             produced = sum(r.completion_tokens for r in legs)
-            legs.append(self._scheduler.run(SlotJob(
-                tokens=list(context), sampler=sampler, stops=StopMatcher([]), max_tokens=max_tokens - produced,
-                cancel=leg, emit=emit, reuse_prefix=work.seed is None)))
+            legs.append(
+                self._scheduler.run(
+                    SlotJob(
+                        tokens=list(context),
+                        sampler=sampler,
+                        stops=StopMatcher([]),
+                        max_tokens=max_tokens - produced,
+                        cancel=leg,
+                        emit=emit,
+                        reuse_prefix=work.seed is None,
+                    )
+                )
+            )
             produced += legs[-1].completion_tokens
             # A model that ends its turn inside its thoughts still owes the answer.
             ended_in_block = legs[-1].finish_reason == "stop" and thoughts.in_block
@@ -389,19 +442,34 @@ class LlamaEngine(Engine):
             output.think(tail.reasoning)
             output.emit(stops.feed(tail.content)[0] + stops.flush(), None)
         first = legs[0]
-        finish = ("cancelled" if cancel.is_set() else "stop" if leg.stopped
-                  else "length" if produced >= max_tokens else legs[-1].finish_reason)
-        return replace(first, finish_reason=finish, completion_tokens=produced,
-                       decode_ms=first.decode_ms + sum(r.prefill_ms + r.decode_ms for r in legs[1:]),
-                       concurrent_slots=max(r.concurrent_slots for r in legs))
+        finish = (
+            "cancelled"
+            if cancel.is_set()
+            else "stop"
+            if leg.stopped
+            else "length"
+            if produced >= max_tokens
+            else legs[-1].finish_reason
+        )
+        return replace(
+            first,
+            finish_reason=finish,
+            completion_tokens=produced,
+            decode_ms=first.decode_ms + sum(r.prefill_ms + r.decode_ms for r in legs[1:]),
+            concurrent_slots=max(r.concurrent_slots for r in legs),
+        )
 
     def _prompt(self, llm: llama_cpp.Llama, work: ChatWork, limits: LimitsConfig) -> _PromptPlan:
         """The prompt text, the grammar and the tool handling of one request."""
         schema = work.json_schema
         vocab = llm._model.vocab
         if work.raw_prompt is not None:
-            return _PromptPlan(work.raw_prompt, add_bos=True, special=False,
-                               grammar=json_grammar(schema, vocab, limits, work.schema_param))
+            return _PromptPlan(
+                work.raw_prompt,
+                add_bos=True,
+                special=False,
+                grammar=json_grammar(schema, vocab, limits, work.schema_param),
+            )
         assert self._formatter is not None
         messages = [template_message(m) for m in work.messages]
         tools = work.tools if work.tools and work.tool_choice != "none" else None
@@ -413,7 +481,9 @@ class LlamaEngine(Engine):
         think = work.think and schema is None and (not tools or work.tool_choice == "auto")
         try:
             # Templates of thinking families (Qwen3, ...) open or close the block by this flag.
-            prompt = self._formatter(messages=messages, tools=tools, enable_thinking=think).prompt
+            prompt = self._formatter(
+                messages=_chat_messages(messages), tools=_chat_tools(tools), enable_thinking=think
+            ).prompt
         except Exception as exc:  # jinja2 raises whatever the template's raise_exception says
             raise InvalidRequest(f"the model's chat template rejected the messages: {exc}", param="messages") from exc
         prompt = self._thinking_prompt(prompt, think)
@@ -422,15 +492,20 @@ class LlamaEngine(Engine):
         names = {t["function"]["name"] for t in tools}
         choice = work.tool_choice
         if choice == "auto" and self.model.tool_router:
-            choice = self._route(llm, work.messages, tools)
-            if choice is None:
+            routed = self._route(llm, work.messages, tools)
+            if routed is None:
                 return self._prompt(llm, replace(work, tool_choice="none"), limits)
+            choice = routed
         if choice == "auto":
             return _PromptPlan(prompt, tool_names=names)
         # "required" or a named function: the answer starts as a call and a grammar keeps it one.
         prefix = "<tool_call>\n"
-        return _PromptPlan(prompt + prefix, tool_names=names, forced_prefix=prefix,
-                           grammar=json_grammar(call_schema(forced_tools(tools, choice)), vocab, limits, "tools"))
+        return _PromptPlan(
+            prompt + prefix,
+            tool_names=names,
+            forced_prefix=prefix,
+            grammar=json_grammar(call_schema(forced_tools(tools, choice)), vocab, limits, "tools"),
+        )
 
     def _thinking_prompt(self, prompt: str, think: bool) -> str:
         """Open the thinking block when the request thinks; close at once one the template
@@ -458,26 +533,41 @@ class LlamaEngine(Engine):
     def _image_prompt(self, llm: llama_cpp.Llama, prompt: str, images: list[bytes]) -> list[int]:
         """Evaluate a prompt with images through the projector; its tokens as the context holds them."""
         if self._projector is None:
-            raise InvalidRequest(f"The model {self.model.id!r} does not serve vision (no projector, aux_path), "
-                                 "so it cannot take image_url parts.", param="messages")
+            raise InvalidRequest(
+                f"The model {self.model.id!r} does not serve vision (no projector, aux_path), "
+                "so it cannot take image_url parts.",
+                param="messages",
+            )
         return self._projector.evaluate(llm, prompt, images)
 
-    def _route(self, llm: llama_cpp.Llama, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, str] | None:
+    def _route(
+        self, llm: llama_cpp.Llama, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+    ) -> dict[str, str] | None:
         """Ask the model, constrained to answer a tool name or `none`, whether the last user turn
         needs a tool: the named call to force, or None to answer without tools."""
         request = next((str(m.get("content") or "") for m in reversed(messages) if m["role"] == "user"), "")
         listing = "\n".join(f"- {t['function']['name']}: {t['function'].get('description') or ''}" for t in tools)
         names = [t["function"]["name"] for t in tools]
         grammar = llama_cpp.LlamaGrammar.from_string(
-            "root ::= " + " | ".join(json.dumps(n) for n in ["none", *names]), verbose=False)
+            "root ::= " + " | ".join(json.dumps(n) for n in ["none", *names]), verbose=False
+        )
         assert self._formatter is not None
-        prompt = self._formatter(messages=[*ROUTER_SHOTS, {
-            "role": "user", "content": f"Functions:\n{listing}\nRequest: {request}"}]).prompt
+        prompt = self._formatter(
+            messages=_chat_messages(
+                [*ROUTER_SHOTS, {"role": "user", "content": f"Functions:\n{listing}\nRequest: {request}"}]
+            )
+        ).prompt
         tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
         answer: list[str] = []
-        self._decode(llm, tokens, ChatWork(messages=[], max_tokens=16, temperature=0.0), grammar, 16,
-                     threading.Event(), AnswerOutput(lambda text, _logprobs, _reasoning=False: answer.append(text),
-                                                hold=False, forced=False))
+        self._decode(
+            llm,
+            tokens,
+            ChatWork(messages=[], max_tokens=16, temperature=0.0),
+            grammar,
+            16,
+            threading.Event(),
+            AnswerOutput(lambda text, _logprobs, _reasoning=False: answer.append(text), hold=False, forced=False),
+        )
         decision = "".join(answer).strip()
         return {"name": decision} if decision in names else None
 
@@ -524,8 +614,9 @@ class LlamaEngine(Engine):
                     produced += 1
                     context.append(token)
                     piece = llm.detokenize([token], special=False)
-                    logprobs = (token_logprobs(llm, token, piece, work.top_logprobs)
-                                if work.top_logprobs is not None else None)
+                    logprobs = (
+                        token_logprobs(llm, token, piece, work.top_logprobs) if work.top_logprobs is not None else None
+                    )
                     text = decoder.decode(piece)
                     if thoughts is not None:
                         routed = thoughts.feed(text)
@@ -596,29 +687,60 @@ class LlamaEngine(Engine):
         )
 
 
+# llama_cpp types the chat formatter's messages and tools as its OpenAI TypedDicts, but the
+# Jinja templates take any dicts, and ours carry keys those TypedDicts do not declare.
+def _chat_messages(messages: list[dict[str, Any]]) -> list[llama_types.ChatCompletionRequestMessage]:
+    return cast(list[llama_types.ChatCompletionRequestMessage], messages)
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[llama_types.ChatCompletionTool] | None:
+    return cast(list[llama_types.ChatCompletionTool] | None, tools)
+
+
 # The router's instructions and generic examples, each carrying its own function list, so the
 # model learns the task and not the tools (measured: 10 of 10 right on Qwen2.5-Coder-1.5B).
 ROUTER_SHOTS: list[dict[str, str]] = [
-    {"role": "system", "content": "You decide whether a user request needs one of the listed functions. Reply with "
-     "the function name, or none when the request can be answered from general knowledge, writing, jokes, math "
-     "or code."},
-    {"role": "user", "content": "Functions:\n- send_email: Send an email to someone\n- search_flights: Find flights "
-     "between two cities\nRequest: Email Anna that I will be late"},
+    {
+        "role": "system",
+        "content": "You decide whether a user request needs one of the listed functions. Reply with "
+        "the function name, or none when the request can be answered from general knowledge, writing, jokes, math "
+        "or code.",
+    },
+    {
+        "role": "user",
+        "content": "Functions:\n- send_email: Send an email to someone\n- search_flights: Find flights "
+        "between two cities\nRequest: Email Anna that I will be late",
+    },
     {"role": "assistant", "content": "send_email"},
-    {"role": "user", "content": "Functions:\n- send_email: Send an email to someone\n- search_flights: Find flights "
-     "between two cities\nRequest: Write a short poem about the sea"},
+    {
+        "role": "user",
+        "content": "Functions:\n- send_email: Send an email to someone\n- search_flights: Find flights "
+        "between two cities\nRequest: Write a short poem about the sea",
+    },
     {"role": "assistant", "content": "none"},
-    {"role": "user", "content": "Functions:\n- get_stock_price: Current price of a stock\n- set_timer: Start a "
-     "timer\nRequest: How much is Apple trading at right now?"},
+    {
+        "role": "user",
+        "content": "Functions:\n- get_stock_price: Current price of a stock\n- set_timer: Start a "
+        "timer\nRequest: How much is Apple trading at right now?",
+    },
     {"role": "assistant", "content": "get_stock_price"},
-    {"role": "user", "content": "Functions:\n- get_stock_price: Current price of a stock\n- set_timer: Start a "
-     "timer\nRequest: What is 17 times 3?"},
+    {
+        "role": "user",
+        "content": "Functions:\n- get_stock_price: Current price of a stock\n- set_timer: Start a "
+        "timer\nRequest: What is 17 times 3?",
+    },
     {"role": "assistant", "content": "none"},
-    {"role": "user", "content": "Functions:\n- search_flights: Find flights between two cities\n- set_timer: Start a "
-     "timer\nRequest: Remind me in ten minutes"},
+    {
+        "role": "user",
+        "content": "Functions:\n- search_flights: Find flights between two cities\n- set_timer: Start a "
+        "timer\nRequest: Remind me in ten minutes",
+    },
     {"role": "assistant", "content": "set_timer"},
-    {"role": "user", "content": "Functions:\n- search_flights: Find flights between two cities\n- send_email: Send an "
-     "email to someone\nRequest: Who painted the Mona Lisa?"},
+    {
+        "role": "user",
+        "content": "Functions:\n- search_flights: Find flights between two cities\n- send_email: Send an "
+        "email to someone\nRequest: Who painted the Mona Lisa?",
+    },
     {"role": "assistant", "content": "none"},
 ]
 

@@ -79,8 +79,9 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
-def json_grammar(schema: dict[str, Any] | None, vocab: Any, limits: LimitsConfig,
-                 param: str = "response_format") -> llama_cpp.LlamaGrammar | None:
+def json_grammar(
+    schema: dict[str, Any] | None, vocab: Any, limits: LimitsConfig, param: str = "response_format"
+) -> llama_cpp.LlamaGrammar | None:
     """The grammar of a JSON schema ({}: any JSON), checked against the grammar limits (the web
     process checked it too; this is the last line) and parsed once by libllama itself: a grammar
     libllama refuses gives a NULL sampler, which llama-cpp-python would add to the chain and
@@ -96,8 +97,11 @@ def json_grammar(schema: dict[str, Any] | None, vocab: Any, limits: LimitsConfig
     assert gbnf is not None, "the worker has llama-cpp-python's grammar converter"
     sampler = llama_cpp.llama_sampler_init_grammar(vocab, gbnf.encode("utf-8"), b"root")
     if not sampler:
-        raise InvalidRequest(f"The JSON schema of {param} cannot be used as a grammar: libllama refuses the "
-                             "grammar it converts to (too many repetitions or rules).", param=param)
+        raise InvalidRequest(
+            f"The JSON schema of {param} cannot be used as a grammar: libllama refuses the "
+            "grammar it converts to (too many repetitions or rules).",
+            param=param,
+        )
     llama_cpp.llama_sampler_free(sampler)
     return llama_cpp.LlamaGrammar.from_string(gbnf, verbose=False)
 
@@ -117,8 +121,13 @@ def token_logprobs(llm: llama_cpp.Llama, token: int, piece: bytes, top: int, ind
         best = np.argpartition(-logprobs, top)[:top]
         for alt in best[np.argsort(-logprobs[best])]:
             alt_piece = llm.detokenize([int(alt)], special=False)
-            entry["top_logprobs"].append({"token": alt_piece.decode("utf-8", errors="replace"),
-                                          "logprob": float(logprobs[alt]), "bytes": list(alt_piece)})
+            entry["top_logprobs"].append(
+                {
+                    "token": alt_piece.decode("utf-8", errors="replace"),
+                    "logprob": float(logprobs[alt]),
+                    "bytes": list(alt_piece),
+                }
+            )
     return [entry]
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import llama_cpp
 import llama_cpp._internals as internals
@@ -69,5 +69,6 @@ class ExpertOffloadModel(internals.LlamaModel):
         # Kept on the instance: llama.cpp reads the list during the load and keeps the pointer.
         self._buft_overrides = cpu_overrides(patterns) if patterns and params is not None else None
         if self._buft_overrides is not None and params is not None:
-            params.tensor_buft_overrides = ctypes.addressof(self._buft_overrides)
+            # The field is a c_void_p (it takes an address); llama_cpp annotates it as the array.
+            params.tensor_buft_overrides = cast(Any, ctypes.addressof(self._buft_overrides))
         super().__init__(*args, **kwargs)

@@ -217,7 +217,7 @@ class SlotScheduler:
                 slot.tokens.append(token)
                 batch.n_tokens += 1
             room -= len(take)
-            job.pending = job.pending[len(take):]
+            job.pending = job.pending[len(take) :]
             if not job.pending:
                 batch.logits[batch.n_tokens - 1] = True
                 sampling.append((slot, batch.n_tokens - 1))

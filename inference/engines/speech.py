@@ -28,8 +28,16 @@ WORKSPACE_BYTES = 160 << 20
 
 # OpenAI voice names -> Kokoro voices (spec §10); any other name falls back to af_heart.
 KOKORO_VOICES = {
-    "alloy": "af_alloy", "echo": "am_echo", "fable": "bm_fable", "onyx": "am_onyx", "nova": "af_nova",
-    "shimmer": "af_bella", "coral": "af_bella", "ash": "am_adam", "sage": "af_sarah", "ballad": "bm_george",
+    "alloy": "af_alloy",
+    "echo": "am_echo",
+    "fable": "bm_fable",
+    "onyx": "am_onyx",
+    "nova": "af_nova",
+    "shimmer": "af_bella",
+    "coral": "af_bella",
+    "ash": "am_adam",
+    "sage": "af_sarah",
+    "ballad": "bm_george",
     "verse": "am_michael",
 }
 KOKORO_DEFAULT_VOICE = "af_heart"
@@ -107,8 +115,10 @@ class OnnxSpeechEngine(Engine):
             return graph, "piper"
         if graph.name.startswith("kokoro") and self._kokoro_voices(folder):
             return graph, "kokoro"
-        raise ModelNotAvailable(f"model {self.model.id!r}: {graph.name} is neither a Piper voice (no .onnx.json) "
-                                "nor Kokoro (no voices*.bin)")
+        raise ModelNotAvailable(
+            f"model {self.model.id!r}: {graph.name} is neither a Piper voice (no .onnx.json) "
+            "nor Kokoro (no voices*.bin)"
+        )
 
     @staticmethod
     def _kokoro_voices(folder: Path) -> Path | None:

@@ -73,12 +73,12 @@ class ThinkBlock:
         at = self.pending.find(CLOSE)
         if at >= 0:
             routed.reasoning += self.pending[:at]
-            self.pending = self.pending[at + len(CLOSE):].lstrip("\n")
+            self.pending = self.pending[at + len(CLOSE) :].lstrip("\n")
             self.in_block = False
             return True
         keep = _partial_suffix(self.pending, CLOSE)
         routed.reasoning += self.pending[: len(self.pending) - keep]
-        self.pending = self.pending[len(self.pending) - keep:]
+        self.pending = self.pending[len(self.pending) - keep :]
         return False
 
     def _take_answer(self, routed: Routed) -> bool:
@@ -89,7 +89,7 @@ class ThinkBlock:
         stripped = self.pending.lstrip()
         if stripped.startswith(OPEN):
             # The model opened a block although thinking is off: it is closed at once.
-            self.pending = stripped[len(OPEN):]
+            self.pending = stripped[len(OPEN) :]
             self.in_block = True
             if not self.thinking:
                 routed.close = True

@@ -75,13 +75,14 @@ def parse_tool_calls(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
         calls = [c for _, _, body in spans for c in _calls_in(body, names)]
         if calls:
             return _without(text, [(s, e) for s, e, _ in spans]), calls
-    spans, calls = [], []
+    found_spans: list[tuple[int, int]] = []
+    calls = []
     for start, end, value in _objects(text):
         found = _calls_in_value(value, names)
         if found:
-            spans.append((start, end))
+            found_spans.append((start, end))
             calls += found
-    return (_without(text, spans), calls) if calls else (text, [])
+    return (_without(text, found_spans), calls) if calls else (text, [])
 
 
 def _calls_in(body: str, names: set[str]) -> list[ToolCall]:
@@ -109,14 +110,16 @@ def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     options = []
     for index, tool in enumerate(tools):
         at = "#/properties/arguments" if len(tools) == 1 else f"#/anyOf/{index}/properties/arguments"
-        options.append({
-            "type": "object",
-            "properties": {
-                "name": {"const": tool["function"]["name"]},
-                "arguments": _rebased(tool["function"].get("parameters") or {"type": "object"}, at),
-            },
-            "required": ["name", "arguments"],
-        })
+        options.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": tool["function"]["name"]},
+                    "arguments": _rebased(tool["function"].get("parameters") or {"type": "object"}, at),
+                },
+                "required": ["name", "arguments"],
+            }
+        )
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 

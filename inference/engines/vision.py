@@ -38,12 +38,14 @@ def decode_rgb(data: bytes, index: int) -> Image.Image:
                 width, height = image.size
                 cap = Image.MAX_IMAGE_PIXELS
                 if cap is not None and width * height > cap:
-                    raise InvalidRequest(f"image {index + 1} of the request is {width}x{height} pixels, above "
-                                         f"limits.max_image_pixels ({cap}).", param="messages")
+                    raise InvalidRequest(
+                        f"image {index + 1} of the request is {width}x{height} pixels, above "
+                        f"limits.max_image_pixels ({cap}).",
+                        param="messages",
+                    )
                 return image.convert("RGB")
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
-        raise InvalidRequest(f"image {index + 1} of the request cannot be decoded: {exc}",
-                             param="messages") from exc
+        raise InvalidRequest(f"image {index + 1} of the request cannot be decoded: {exc}", param="messages") from exc
 
 
 class Projector:
@@ -57,8 +59,10 @@ class Projector:
         params.media_marker = IMAGE_MARKER.encode()
         ctx = mtmd.mtmd_init_from_file(str(path).encode(), llm.model, params)
         if not ctx:
-            raise ModelNotAvailable(f"the projector {path} could not be loaded for this model "
-                                    "(not an mmproj GGUF, or made for another text model)")
+            raise ModelNotAvailable(
+                f"the projector {path} could not be loaded for this model "
+                "(not an mmproj GGUF, or made for another text model)"
+            )
         self.ctx = ctx
         if not mtmd.mtmd_support_vision(ctx):
             self.close()
@@ -85,7 +89,9 @@ class Projector:
             if total >= llm.n_ctx():
                 raise ContextLengthExceeded(
                     f"The prompt is {total} tokens with its images but the model's context is {llm.n_ctx()} tokens; "
-                    "send fewer or smaller images, or ask for a larger num_ctx.", param="messages")
+                    "send fewer or smaller images, or ask for a larger num_ctx.",
+                    param="messages",
+                )
             llm.reset()
             llm._ctx.kv_cache_clear()
             return self._eval_chunks(llm, chunks)
@@ -128,14 +134,16 @@ class Projector:
                 continue
             n_past = llm.n_tokens
             new_past = llama_cpp.llama_pos(0)
-            code = mtmd.mtmd_helper_eval_chunk_single(self.ctx, llm._ctx.ctx, chunk, n_past, 0, llm.n_batch,
-                                                      False, ctypes.byref(new_past))
+            code = mtmd.mtmd_helper_eval_chunk_single(
+                self.ctx, llm._ctx.ctx, chunk, n_past, 0, llm.n_batch, False, ctypes.byref(new_past)
+            )
             if code != 0:
                 raise ServerError(f"the projector failed to evaluate an image (mtmd error {code})")
-            llm.input_ids[n_past:new_past.value] = IMAGE_POSITION
+            llm.input_ids[n_past : new_past.value] = IMAGE_POSITION
             llm.n_tokens = new_past.value
             tokens += [IMAGE_POSITION] * (new_past.value - n_past)
         if tokens[-1] == IMAGE_POSITION:
-            raise InvalidRequest("the prompt ends with an image; the chat template must write text after it",
-                                 param="messages")
+            raise InvalidRequest(
+                "the prompt ends with an image; the chat template must write text after it", param="messages"
+            )
         return tokens

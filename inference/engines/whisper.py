@@ -100,8 +100,9 @@ class WhisperEngine(Engine):
         assert model is not None, "transcribe on an unloaded engine"
         language = options.get("language")
         if language and not model.model.is_multilingual and language != "en":
-            raise InvalidRequest(f"The model {self.model.id!r} transcribes English only (language 'en').",
-                                 param="language")
+            raise InvalidRequest(
+                f"The model {self.model.id!r} transcribes English only (language 'en').", param="language"
+            )
         temperature = options.get("temperature") or 0.0
         word_timestamps = bool(options.get("word_timestamps"))
         segments, info = model.transcribe(
@@ -113,7 +114,7 @@ class WhisperEngine(Engine):
             word_timestamps=word_timestamps,
             condition_on_previous_text=False,
         )
-        found = []
+        found: list[dict[str, Any]] = []
         for segment in segments:  # decoding happens while iterating
             if cancel.is_set():
                 raise Cancelled("the request was cancelled")
@@ -139,6 +140,7 @@ def _segment(segment: Any, index: int, with_words: bool) -> dict[str, Any]:
         "no_speech_prob": segment.no_speech_prob,
     }
     if with_words:
-        out["words"] = [{"word": w.word, "start": round(w.start, 2), "end": round(w.end, 2)}
-                        for w in segment.words or []]
+        out["words"] = [
+            {"word": w.word, "start": round(w.start, 2), "end": round(w.end, 2)} for w in segment.words or []
+        ]
     return out

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from django.conf import settings
-from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
 
 from hypnos_site.errors import HypnosError, InvalidRequest
 from inference.client import InferenceCall, InferenceClient
@@ -32,11 +32,27 @@ from inference.serving.context import (
 from inference.wire import AudioChunk, Done, SpeechWork, TranscribeWork
 
 INLINE_AUDIO_BYTES = 512 << 10
-CONTENT_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "mp3": "audio/mpeg", "opus": "audio/ogg",
-                 "aac": "audio/aac", "flac": "audio/flac"}
+CONTENT_TYPES = {
+    "wav": "audio/wav",
+    "pcm": "audio/pcm",
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+    "aac": "audio/aac",
+    "flac": "audio/flac",
+}
 # verbose_json names the language as Whisper does; other codes are passed through.
-LANGUAGE_NAMES = {"en": "english", "de": "german", "fr": "french", "es": "spanish", "it": "italian",
-                  "pt": "portuguese", "nl": "dutch", "ja": "japanese", "zh": "chinese", "ru": "russian"}
+LANGUAGE_NAMES = {
+    "en": "english",
+    "de": "german",
+    "fr": "french",
+    "es": "spanish",
+    "it": "italian",
+    "pt": "portuguese",
+    "nl": "dutch",
+    "ja": "japanese",
+    "zh": "chinese",
+    "ru": "russian",
+}
 
 
 # -- transcriptions ------------------------------------------------------------------------
@@ -46,7 +62,7 @@ def transcription_request(data: Any) -> tuple[TranscriptionRequest, bytes]:
     """The fields and the audio of a transcription: multipart (`file` and text parts, what the
     OpenAI SDKs send) or JSON (`audio_bytes`, an array of byte values)."""
     if isinstance(data, dict) and not hasattr(data, "getlist"):
-        fields = dict(data)
+        fields: dict[str, Any] = dict(data)
         raw = fields.pop("audio_bytes", None)
         if not isinstance(raw, list) or not all(isinstance(b, int) and 0 <= b <= 255 for b in raw):
             raise InvalidRequest("audio_bytes must be an array of byte values (0-255)", param="audio_bytes")
@@ -56,11 +72,13 @@ def transcription_request(data: Any) -> tuple[TranscriptionRequest, bytes]:
     upload = data.get("file")
     if upload is None or not hasattr(upload, "read"):
         raise InvalidRequest("The multipart body needs a `file` part with the audio.", param="file")
-    fields: dict[str, Any] = {k: data.get(k) for k in ("model", "language", "prompt", "response_format")
-                              if data.get(k) not in (None, "")}
+    fields = {
+        k: data.get(k) for k in ("model", "language", "prompt", "response_format") if data.get(k) not in (None, "")
+    }
     fields["filename"] = getattr(upload, "name", None)
     fields["timestamp_granularities"] = data.getlist("timestamp_granularities[]") or data.getlist(
-        "timestamp_granularities")
+        "timestamp_granularities"
+    )
     if data.get("temperature") not in (None, ""):
         try:
             fields["temperature"] = float(data.get("temperature"))
@@ -111,19 +129,27 @@ def check_declared_secs(audio: bytes, max_secs: float, param: str) -> None:
     except (av.FFmpegError, ValueError, EOFError):
         return
     if declared > max_secs:
-        raise InvalidRequest(f"The audio is {declared:.1f} s long, above limits.max_audio_secs ({max_secs:g} s).",
-                             param=param)
+        raise InvalidRequest(
+            f"The audio is {declared:.1f} s long, above limits.max_audio_secs ({max_secs:g} s).", param=param
+        )
 
 
-async def transcribe(client: InferenceClient, body: TranscriptionRequest, audio: bytes,
-                     ctx: RequestContext, param: str = "file") -> tuple[InferenceCall, Done]:
+async def transcribe(
+    client: InferenceClient, body: TranscriptionRequest, audio: bytes, ctx: RequestContext, param: str = "file"
+) -> tuple[InferenceCall, Done]:
     """Run a transcription to its end: the call and its Done (result and telemetry).
     `param` is the request field the audio came in (input_audio clips: `messages`)."""
     model = await resolve_model(client, body.model, ctx)
     max_secs = settings.HYPNOS.limits.max_audio_secs
-    work = TranscribeWork(**audio_payload(audio, ctx.request_id, param), language=body.language, prompt=body.prompt,
-                          temperature=float(body.temperature), word_timestamps="word" in body.timestamp_granularities,
-                          max_audio_secs=float(max_secs), audio_param=param)
+    work = TranscribeWork(
+        **audio_payload(audio, ctx.request_id, param),
+        language=body.language,
+        prompt=body.prompt,
+        temperature=float(body.temperature),
+        word_timestamps="word" in body.timestamp_granularities,
+        max_audio_secs=float(max_secs),
+        audio_param=param,
+    )
     try:
         await asyncio.to_thread(check_declared_secs, audio, max_secs, param)
         call, _started = await start_call(client, model, work, ctx)
@@ -133,8 +159,9 @@ async def transcribe(client: InferenceClient, body: TranscriptionRequest, audio:
         _drop_spool(work)
 
 
-async def create_transcription(client: InferenceClient, body: TranscriptionRequest, audio: bytes,
-                               ctx: RequestContext) -> HttpResponse:
+async def create_transcription(
+    client: InferenceClient, body: TranscriptionRequest, audio: bytes, ctx: RequestContext
+) -> HttpResponseBase:
     timeout = settings.HYPNOS.limits.request_timeout_secs
     try:
         call, done = await asyncio.wait_for(transcribe(client, body, audio, ctx), timeout)
@@ -210,19 +237,24 @@ def _drop_spool(work: TranscribeWork) -> None:
 # -- speech --------------------------------------------------------------------------------
 
 
-async def create_speech(client: InferenceClient, body: SpeechRequest, ctx: RequestContext) -> HttpResponse:
+async def create_speech(client: InferenceClient, body: SpeechRequest, ctx: RequestContext) -> HttpResponseBase:
     model = await resolve_model(client, body.model, ctx)
     check_prompt_chars(len(body.input), "input")
     if not body.input.strip():
         raise InvalidRequest("input holds no text to speak", param="input")
-    work = SpeechWork(input=body.input, voice=body.voice, speed=float(body.speed),
-                      response_format=body.response_format, stream=body.stream)
+    work = SpeechWork(
+        input=body.input,
+        voice=body.voice,
+        speed=float(body.speed),
+        response_format=body.response_format,
+        stream=body.stream,
+    )
     timeout = settings.HYPNOS.limits.request_timeout_secs
     try:
         call, started = await asyncio.wait_for(start_call(client, model, work, ctx), timeout)
         content_type = CONTENT_TYPES[body.response_format]
         if body.stream:
-            response: HttpResponse = StreamingHttpResponse(_audio_stream(call), content_type=content_type)
+            response: HttpResponseBase = StreamingHttpResponse(_audio_stream(call), content_type=content_type)
             response["Cache-Control"] = "no-cache"
             response["x-hypnos-previous-tier"] = started.previous_tier
             response["x-hypnos-gpu-layers"] = str(started.gpu_layers)

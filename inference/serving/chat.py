@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from django.conf import settings
-from django.http import HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpResponseBase, JsonResponse, StreamingHttpResponse
 from pydantic import BaseModel
 
 from hypnos_site.config import ENGINE_SAMPLING_DEFAULTS, ModelConfig
@@ -56,23 +56,28 @@ def model_defaults(body: BaseModel, model: ModelConfig, *names: str) -> dict[str
 
 def capped_max_tokens(requested: int | None, model: ModelConfig) -> int:
     """The request's max_tokens, else the model's default, clamped to limits.max_tokens_cap."""
-    return min(requested or model.sampling.max_tokens or DEFAULT_MAX_TOKENS, settings.HYPNOS.limits.max_tokens_cap)
+    return int(min(requested or model.sampling.max_tokens or DEFAULT_MAX_TOKENS, settings.HYPNOS.limits.max_tokens_cap))
 
 
 def sampling_payload(body: SamplingFields, model: ModelConfig, max_tokens: int | None) -> dict[str, Any]:
     """The worker fields every text route shares."""
     return {
         "max_tokens": capped_max_tokens(max_tokens, model),
-        **model_defaults(body, model, "temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty",
-                         "repeat_penalty"),
+        **model_defaults(
+            body, model, "temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty", "repeat_penalty"
+        ),
         "seed": body.seed,
         "stop": body.stop_list(),
         "num_ctx": body.num_ctx or body.ctx_size,
     }
 
 
-def check_grammars(schema: dict[str, Any] | None, schema_param: str, tools: list[dict[str, Any]] | None,
-                   tool_choice: str | dict[str, Any]) -> None:
+def check_grammars(
+    schema: dict[str, Any] | None,
+    schema_param: str,
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any],
+) -> None:
     """The JSON schemas a grammar will be built from, against the grammar limits, before any
     worker work: a schema libllama would crash on, or that its converter refuses, is a 400."""
     limits = settings.HYPNOS.limits
@@ -83,8 +88,10 @@ def check_grammars(schema: dict[str, Any] | None, schema_param: str, tools: list
 
 
 def worker_message(message: ChatMessage) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
-                           "content": message.text_with_images()}
+    out: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": message.text_with_images(),
+    }
     if message.tool_calls:
         out["tool_calls"] = message.tool_calls
     if message.tool_call_id:
@@ -128,7 +135,9 @@ async def load_images(body: ChatCompletionRequest) -> list[bytes]:
     return [await image_input.load_image(url, policy) for m in body.messages for url in m.image_urls()]
 
 
-async def create_chat_completion(client: InferenceClient, body: ChatCompletionRequest, ctx: RequestContext) -> HttpResponse:
+async def create_chat_completion(
+    client: InferenceClient, body: ChatCompletionRequest, ctx: RequestContext
+) -> HttpResponseBase:
     model = await resolve_model(client, body.model, ctx)
     timeout = settings.HYPNOS.limits.request_timeout_secs
     completion_id = "chatcmpl-" + uuid.uuid4().hex
@@ -143,15 +152,20 @@ async def create_chat_completion(client: InferenceClient, body: ChatCompletionRe
         if body.stream:
             chunks = _chat_sse(call, _ChunkMaker(completion_id, body.model), body.logprobs, ctx.record)
             return with_wait_estimate(sse_response(chunks), call)
-        return with_wait_estimate(JsonResponse(await asyncio.wait_for(_chat_json(call, completion_id, body), timeout)), call)
+        return with_wait_estimate(
+            JsonResponse(await asyncio.wait_for(_chat_json(call, completion_id, body), timeout)), call
+        )
     except TimeoutError:
         return request_timed_out(timeout)
 
 
 def usage_of(usage: Usage | None) -> dict[str, Any]:
     usage = usage or Usage()
-    shaped: dict[str, Any] = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-                              "total_tokens": usage.total_tokens}
+    shaped: dict[str, Any] = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
     if usage.cached_tokens:
         shaped["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
     return shaped
@@ -168,13 +182,15 @@ last_stats: dict[str, Any] = {}
 def record_stats(done: Done) -> None:
     usage, engine = done.usage or Usage(), done.telemetry.get("engine") or {}
     last_stats.clear()
-    last_stats.update({
-        "input_tokens": usage.prompt_tokens,
-        "output_tokens": usage.completion_tokens,
-        "time_to_first_token": round(engine.get("ttft_ms", 0.0) / 1000, 4),
-        "tokens_per_second": engine.get("decode_tokens_per_s", 0.0),
-        "cache_tokens": usage.cached_tokens,
-    })
+    last_stats.update(
+        {
+            "input_tokens": usage.prompt_tokens,
+            "output_tokens": usage.completion_tokens,
+            "time_to_first_token": round(engine.get("ttft_ms", 0.0) / 1000, 4),
+            "tokens_per_second": engine.get("decode_tokens_per_s", 0.0),
+            "cache_tokens": usage.cached_tokens,
+        }
+    )
 
 
 async def _chat_json(call: InferenceCall, completion_id: str, body: ChatCompletionRequest) -> dict[str, Any]:
@@ -202,13 +218,19 @@ async def _chat_json(call: InferenceCall, completion_id: str, body: ChatCompleti
 
 class _ChunkMaker:
     def __init__(self, completion_id: str, model: str):
-        self.base = {"id": completion_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+        self.base = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
 
     def __call__(self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
         return f"data: {json.dumps(self.chunk(delta, finish, logprobs, **extra), ensure_ascii=False)}\n\n"
 
-    def chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
-              **extra: Any) -> dict[str, Any]:
+    def chunk(
+        self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None, **extra: Any
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
         if logprobs is not None:
             choice["logprobs"] = logprobs
@@ -222,8 +244,9 @@ def sse_response(events: AsyncIterator[str]) -> StreamingHttpResponse:
     return response
 
 
-async def _chat_sse(call: InferenceCall, chunk: _ChunkMaker, with_logprobs: bool,
-                    record: CallRecord) -> AsyncIterator[str]:
+async def _chat_sse(
+    call: InferenceCall, chunk: _ChunkMaker, with_logprobs: bool, record: CallRecord
+) -> AsyncIterator[str]:
     """The chunk sequence of spec §7.4. Closing the connection cancels this generator; leaving
     `async with call` aborts the request so the engine stops at the next token."""
     async with call:
@@ -231,7 +254,7 @@ async def _chat_sse(call: InferenceCall, chunk: _ChunkMaker, with_logprobs: bool
             yield chunk({"role": "assistant", "content": ""})
             async for event in call.events():
                 if isinstance(event, Delta):
-                    extra = {"logprobs": {"content": event.logprobs or []}} if with_logprobs else {}
+                    extra: dict[str, Any] = {"logprobs": {"content": event.logprobs or []}} if with_logprobs else {}
                     yield chunk({"content": event.text}, **extra)
                 elif isinstance(event, Reasoning):
                     yield chunk({"reasoning_content": event.text})
@@ -239,8 +262,12 @@ async def _chat_sse(call: InferenceCall, chunk: _ChunkMaker, with_logprobs: bool
                     record_stats(event)
                     for tool_call in event.tool_calls:
                         yield chunk({"tool_calls": [tool_call]})
-                    yield chunk({}, finish_reason(event.finish_reason), usage=usage_of(event.usage),
-                                hypnos_telemetry=event.telemetry)
+                    yield chunk(
+                        {},
+                        finish_reason(event.finish_reason),
+                        usage=usage_of(event.usage),
+                        hypnos_telemetry=event.telemetry,
+                    )
             yield DONE
         except HypnosError as error:
             # An error event, or the transport failed (a lost reply, a vanished worker).

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from django.conf import settings
-from django.http import HttpResponse, JsonResponse
+from django.http import HttpResponseBase, JsonResponse
 
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import HypnosError, InvalidRequest
@@ -36,8 +36,13 @@ def completion_work(body: CompletionRequest, model: ModelConfig) -> GenerateWork
     if not prompt:
         raise InvalidRequest("prompt is empty: send the text to continue.", param="prompt")
     check_prompt_chars(len(prompt), "prompt")
-    return GenerateWork(**sampling_payload(body, model, body.max_tokens), messages=[], raw_prompt=prompt,
-                        top_logprobs=body.logprobs, prompt_param="prompt")
+    return GenerateWork(
+        **sampling_payload(body, model, body.max_tokens),
+        messages=[],
+        raw_prompt=prompt,
+        top_logprobs=body.logprobs,
+        prompt_param="prompt",
+    )
 
 
 def legacy_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any]:
@@ -54,7 +59,7 @@ def legacy_logprobs(entries: list[dict[str, Any]], offset: int) -> dict[str, Any
     }
 
 
-async def create_completion(client: InferenceClient, body: CompletionRequest, ctx: RequestContext) -> HttpResponse:
+async def create_completion(client: InferenceClient, body: CompletionRequest, ctx: RequestContext) -> HttpResponseBase:
     model = await resolve_model(client, body.model, ctx)
     work = completion_work(body, model)
     timeout = settings.HYPNOS.limits.request_timeout_secs
@@ -68,16 +73,31 @@ async def create_completion(client: InferenceClient, body: CompletionRequest, ct
         return request_timed_out(timeout)
     done = drained.done
     record_stats(done)
-    choice = {"text": drained.text, "index": 0, "finish_reason": finish_reason(done.finish_reason),
-              "logprobs": legacy_logprobs(drained.logprobs, 0) if body.logprobs is not None else None}
-    return with_wait_estimate(JsonResponse({
-        "id": completion_id, "object": "text_completion", "created": int(time.time()), "model": body.model,
-        "choices": [choice], "usage": usage_of(done.usage), "hypnos_telemetry": done.telemetry,
-    }), call)
+    choice = {
+        "text": drained.text,
+        "index": 0,
+        "finish_reason": finish_reason(done.finish_reason),
+        "logprobs": legacy_logprobs(drained.logprobs, 0) if body.logprobs is not None else None,
+    }
+    return with_wait_estimate(
+        JsonResponse(
+            {
+                "id": completion_id,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": body.model,
+                "choices": [choice],
+                "usage": usage_of(done.usage),
+                "hypnos_telemetry": done.telemetry,
+            }
+        ),
+        call,
+    )
 
 
-async def _completion_sse(call: InferenceCall, completion_id: str, body: CompletionRequest,
-                          record: CallRecord) -> AsyncIterator[str]:
+async def _completion_sse(
+    call: InferenceCall, completion_id: str, body: CompletionRequest, record: CallRecord
+) -> AsyncIterator[str]:
     base = {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": body.model}
     offset = 0
 
@@ -98,8 +118,14 @@ async def _completion_sse(call: InferenceCall, completion_id: str, body: Complet
                     yield line(chunk(event.text, logprobs=logprobs))
                 elif isinstance(event, Done):
                     record_stats(event)
-                    yield line(chunk("", finish_reason(event.finish_reason), usage=usage_of(event.usage),
-                                     hypnos_telemetry=event.telemetry))
+                    yield line(
+                        chunk(
+                            "",
+                            finish_reason(event.finish_reason),
+                            usage=usage_of(event.usage),
+                            hypnos_telemetry=event.telemetry,
+                        )
+                    )
             yield DONE
         except HypnosError as error:
             yield sse_error(error, chunk("", "error"), record)

@@ -35,13 +35,18 @@ class RequestContext:
             except ValueError:
                 deadline_ms = -1.0
             if deadline_ms is not None and not 0 <= deadline_ms < float("inf"):
-                raise InvalidRequest("x-hypnos-deadline-ms must be a number of milliseconds, not negative",
-                                     param="x-hypnos-deadline-ms")
+                raise InvalidRequest(
+                    "x-hypnos-deadline-ms must be a number of milliseconds, not negative", param="x-hypnos-deadline-ms"
+                )
         else:
             deadline_ms = None
         record = getattr(request, "hypnos_call", None) or CallRecord()
-        return cls(request.hypnos_request_id, deadline_ms,  # type: ignore[attr-defined]
-                   request.headers.get("x-hypnos-next-model") or None, record)
+        return cls(
+            request.hypnos_request_id,  # type: ignore[attr-defined]
+            deadline_ms,
+            request.headers.get("x-hypnos-next-model") or None,
+            record,
+        )
 
 
 async def resolve_model(client: InferenceClient, name: str, ctx: RequestContext) -> ModelConfig:
@@ -53,12 +58,14 @@ async def resolve_model(client: InferenceClient, name: str, ctx: RequestContext)
     return model
 
 
-async def start_call(client: InferenceClient, model: ModelConfig, work: Work,
-                     ctx: RequestContext) -> tuple[InferenceCall, Started]:
+async def start_call(
+    client: InferenceClient, model: ModelConfig, work: Work, ctx: RequestContext
+) -> tuple[InferenceCall, Started]:
     """Submit the work with the context's deadline and next model; the call fills the record."""
     ctx.record.work = work.kind
-    request = EngineRequest(request_id=ctx.request_id, model=model.id, work=work, deadline_ms=ctx.deadline_ms,
-                            next_model=ctx.next_model)
+    request = EngineRequest(
+        request_id=ctx.request_id, model=model.id, work=work, deadline_ms=ctx.deadline_ms, next_model=ctx.next_model
+    )
     return await client.start(request, ctx.record)
 
 
@@ -73,8 +80,9 @@ def check_prompt_chars(chars: int, param: str) -> None:
     """400 naming `param` when the request's text is longer than limits.max_prompt_chars."""
     limit = settings.HYPNOS.limits.max_prompt_chars
     if chars > limit:
-        raise InvalidRequest(f"The input holds {chars} characters, above limits.max_prompt_chars ({limit}).",
-                             param=param)
+        raise InvalidRequest(
+            f"The input holds {chars} characters, above limits.max_prompt_chars ({limit}).", param=param
+        )
 
 
 def request_timed_out(timeout: float) -> HttpResponse:

@@ -9,7 +9,7 @@ import base64
 import sys
 
 from django.conf import settings
-from django.http import HttpResponse, JsonResponse
+from django.http import HttpResponseBase, JsonResponse
 
 from inference.client import InferenceClient
 from inference.protocol_media import EmbeddingRequest
@@ -18,7 +18,7 @@ from inference.serving.context import RequestContext, resolve_model, start_call,
 from inference.wire import EmbedWork
 
 
-async def create_embeddings(client: InferenceClient, body: EmbeddingRequest, ctx: RequestContext) -> HttpResponse:
+async def create_embeddings(client: InferenceClient, body: EmbeddingRequest, ctx: RequestContext) -> HttpResponseBase:
     texts = body.texts()
     model = await resolve_model(client, body.model, ctx)
     check_prompt_chars(sum(len(t) for t in texts), "input")
@@ -35,13 +35,18 @@ async def create_embeddings(client: InferenceClient, body: EmbeddingRequest, ctx
     ]
     done = drained.done
     tokens = (done.result or {})["prompt_tokens"]
-    return with_wait_estimate(JsonResponse({
-        "object": "list",
-        "model": body.model,
-        "data": data,
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        "hypnos_telemetry": done.telemetry,
-    }), call)
+    return with_wait_estimate(
+        JsonResponse(
+            {
+                "object": "list",
+                "model": body.model,
+                "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                "hypnos_telemetry": done.telemetry,
+            }
+        ),
+        call,
+    )
 
 
 def _floats(raw: bytes) -> list[float]:

@@ -86,9 +86,13 @@ class ImagePolicy:
 
     @classmethod
     def from_limits(cls, limits: LimitsConfig) -> ImagePolicy:
-        return cls(max_bytes=limits.max_image_bytes, allow_remote=limits.allow_remote_image_urls,
-                   allow_private=limits.allow_private_urls, max_pixels=limits.max_image_pixels,
-                   fetch_timeout_secs=limits.remote_fetch_timeout_secs)
+        return cls(
+            max_bytes=limits.max_image_bytes,
+            allow_remote=limits.allow_remote_image_urls,
+            allow_private=limits.allow_private_urls,
+            max_pixels=limits.max_image_pixels,
+            fetch_timeout_secs=limits.remote_fetch_timeout_secs,
+        )
 
 
 async def load_image(url: str, policy: ImagePolicy) -> bytes:
@@ -97,8 +101,11 @@ async def load_image(url: str, policy: ImagePolicy) -> bytes:
         data = decode_data_url(url, policy.max_bytes)
     elif urlsplit(url).scheme.lower() in ("http", "https"):
         if not policy.allow_remote:
-            raise InvalidRequest("Remote image URLs are turned off on this server (limits.allow_remote_image_urls); "
-                                 "send the image as a data: URL.", param="messages")
+            raise InvalidRequest(
+                "Remote image URLs are turned off on this server (limits.allow_remote_image_urls); "
+                "send the image as a data: URL.",
+                param="messages",
+            )
         data = await fetch(url, policy)
     else:
         raise InvalidRequest("image_url.url must be a data: URL or an http(s) URL.", param="messages")
@@ -107,7 +114,7 @@ async def load_image(url: str, policy: ImagePolicy) -> bytes:
 
 
 def decode_data_url(url: str, max_bytes: int) -> bytes:
-    header, comma, payload = url[len("data:"):].partition(",")
+    header, comma, payload = url[len("data:") :].partition(",")
     if not comma:
         raise InvalidRequest("The image's data: URL has no ',' before its data.", param="messages")
     is_base64 = header.lower().endswith(";base64")
@@ -136,15 +143,19 @@ def check_image(data: bytes, max_pixels: int) -> None:
                 if width * height > max_pixels:
                     raise InvalidRequest(
                         f"An image is {width}x{height} pixels, above limits.max_image_pixels ({max_pixels}).",
-                        param="messages")
+                        param="messages",
+                    )
                 image.verify()
     except Image.DecompressionBombError:
         # Pillow's own cap (twice Image.MAX_IMAGE_PIXELS, set from the limit) refused it in open().
-        raise InvalidRequest(f"An image declares more pixels than limits.max_image_pixels allows ({max_pixels}).",
-                             param="messages") from None
+        raise InvalidRequest(
+            f"An image declares more pixels than limits.max_image_pixels allows ({max_pixels}).", param="messages"
+        ) from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        raise InvalidRequest(f"The image_url does not hold an image Hypnos can decode (PNG, JPEG, WebP, GIF, ...): "
-                             f"{exc}", param="messages") from None
+        raise InvalidRequest(
+            f"The image_url does not hold an image Hypnos can decode (PNG, JPEG, WebP, GIF, ...): {exc}",
+            param="messages",
+        ) from None
 
 
 async def fetch(url: str, policy: ImagePolicy) -> bytes:
@@ -154,8 +165,11 @@ async def fetch(url: str, policy: ImagePolicy) -> bytes:
         async with asyncio.timeout(policy.fetch_timeout_secs):
             return await _fetch(url, policy)
     except TimeoutError:
-        raise InvalidRequest(f"Fetching the image URL {url!r} took longer than limits.remote_fetch_timeout_secs "
-                             f"({policy.fetch_timeout_secs:g} s).", param="messages") from None
+        raise InvalidRequest(
+            f"Fetching the image URL {url!r} took longer than limits.remote_fetch_timeout_secs "
+            f"({policy.fetch_timeout_secs:g} s).",
+            param="messages",
+        ) from None
 
 
 async def _fetch(url: str, policy: ImagePolicy) -> bytes:
@@ -189,7 +203,9 @@ async def _checked_address(host: str, port: int | None, policy: ImagePolicy) -> 
         if refused:
             raise InvalidRequest(
                 f"The image host {host!r} resolves to a non-public address ({refused[0]}); such fetches are refused "
-                "(limits.allow_private_urls).", param="messages")
+                "(limits.allow_private_urls).",
+                param="messages",
+            )
     return addresses[0]
 
 
@@ -210,8 +226,9 @@ async def _get(client: httpx.AsyncClient, url: str, address: IpAddress, max_byte
                     raise InvalidRequest(f"The image URL {url!r} redirects without a Location.", param="messages")
                 return location
             if response.status_code != 200:
-                raise InvalidRequest(f"Fetching the image URL {url!r} answered HTTP {response.status_code}.",
-                                     param="messages")
+                raise InvalidRequest(
+                    f"Fetching the image URL {url!r} answered HTTP {response.status_code}.", param="messages"
+                )
             declared = response.headers.get("content-length")
             if declared and declared.isdigit() and int(declared) > max_bytes:
                 raise _too_large(max_bytes)

@@ -6,8 +6,8 @@ from typing import Any
 
 from django.conf import settings
 
-from inference.client import InferenceClient
 from hypnos_site.errors import InvalidRequest, ModelNotAvailable, NotFound
+from inference.client import InferenceClient
 from inference.serving.chat import last_stats
 from inference.serving.models import shown_path
 from inference.serving.pool import pool
@@ -22,10 +22,13 @@ async def health(client: InferenceClient, *, admin: bool) -> dict[str, Any]:
     pool.update(status)
     configs = {m.id: m for m in pool.models()}
     loaded = [
-        {"model_name": model_id, "checkpoint": shown_path(settings.HYPNOS.weights_file(configs[model_id]), admin),
-         "type": "llm" if configs[model_id].modality == "text_generation" else configs[model_id].modality,
-         "device": "gpu" if state["placement"]["gpu_layers"] and not status.get("simulated", True) else "cpu",
-         "recipe": configs[model_id].engine}
+        {
+            "model_name": model_id,
+            "checkpoint": shown_path(settings.HYPNOS.weights_file(configs[model_id]), admin),
+            "type": "llm" if configs[model_id].modality == "text_generation" else configs[model_id].modality,
+            "device": "gpu" if state["placement"]["gpu_layers"] and not status.get("simulated", True) else "cpu",
+            "recipe": configs[model_id].engine,
+        }
         for model_id, state in status["models"].items()
         if state["current_tier"] == "tier1_gpu_vram" and model_id in configs
     ]

@@ -10,8 +10,8 @@ from typing import Any
 from django.conf import settings
 
 from hypnos_site.config import ModelConfig
-from inference.client import InferenceClient
 from hypnos_site.errors import NotFound
+from inference.client import InferenceClient
 from inference.serving.pool import pool
 from models_registry.catalog import catalog_path, describe, disk_size, load_catalog
 
@@ -65,10 +65,21 @@ async def model_files(client: InferenceClient, name: str, *, admin: bool) -> dic
     await pool.ensure(client, name)
     model = pool.find(name)
     files = [("weights", settings.HYPNOS.weights_file(model)), ("aux", settings.HYPNOS.aux_file(model))]
-    return {"object": "list", "model": model.id, "data": [
-        {"name": path.name, "role": role, "path": shown_path(path, admin),
-         "size_bytes": disk_size(path) if path.exists() else None, "exists": path.exists()}
-        for role, path in files if path is not None]}
+    return {
+        "object": "list",
+        "model": model.id,
+        "data": [
+            {
+                "name": path.name,
+                "role": role,
+                "path": shown_path(path, admin),
+                "size_bytes": disk_size(path) if path.exists() else None,
+                "exists": path.exists(),
+            }
+            for role, path in files
+            if path is not None
+        ],
+    }
 
 
 def catalog(modality: str | None, *, admin: bool) -> dict[str, Any]:
@@ -112,8 +123,12 @@ def _path_replacements() -> dict[str, str]:
     """Absolute path -> what a key that is not an admin key sees instead, longest first (so a
     file's own path wins over the folder holding it)."""
     config = settings.HYPNOS
-    found = {f"{config.models_dir}/": "", str(config.models_dir): "models_dir",
-             f"{config.data_dir}/": "", str(config.data_dir): "data_dir"}
+    found = {
+        f"{config.models_dir}/": "",
+        str(config.models_dir): "models_dir",
+        f"{config.data_dir}/": "",
+        str(config.data_dir): "data_dir",
+    }
     for model in pool.models():
         for file in (config.weights_file(model), config.aux_file(model)):
             if file is not None:

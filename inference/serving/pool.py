@@ -15,9 +15,9 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from hypnos_site.config import ModelConfig
+from hypnos_site.errors import InvalidRequest, ModelNotFound
 from inference.client import InferenceClient, InProcessTransport
 from inference.runtime import runtime
-from hypnos_site.errors import InvalidRequest, ModelNotFound
 from models_registry import options as model_options
 from models_registry.catalog import Catalog, catalog_path, load_catalog
 from models_registry.pool import PoolCheckFailed, block_from_catalog, check_model, model_from_block
@@ -89,13 +89,15 @@ def _checked_model(body: dict[str, Any], model_id: str | None) -> tuple[ModelCon
     catalog = _catalog()
     spec = body.get("catalog")
     if isinstance(spec, str) == isinstance(body.get("config"), str):
-        raise InvalidRequest("Send either catalog (\"<id>[:<quant>]\") or config (one [[models]] block as TOML).")
+        raise InvalidRequest('Send either catalog ("<id>[:<quant>]") or config (one [[models]] block as TOML).')
     try:
         block = block_from_catalog(catalog, spec) if isinstance(spec, str) else body["config"]
         model = check_model(settings.HYPNOS, model_from_block(block, model_id), catalog)
     except PoolCheckFailed as exc:
-        raise InvalidRequest("The model cannot join the pool: " + "; ".join(exc.reasons) + ".",
-                             param="catalog" if isinstance(spec, str) else "config") from exc
+        raise InvalidRequest(
+            "The model cannot join the pool: " + "; ".join(exc.reasons) + ".",
+            param="catalog" if isinstance(spec, str) else "config",
+        ) from exc
     return model, block, spec or ""
 
 
@@ -139,8 +141,11 @@ async def replace_model(client: InferenceClient, model_id: str, body: dict[str, 
     current = pool.find(model_id)
     model, block, spec = await sync_to_async(_checked_model)(body, current.id)
     model = await _with_saved_options(model)
-    payload = {"model": current.id, "config": model.model_dump(mode="json"),
-               "drain_secs": _drain_secs(body.get("drain_secs", 120))}
+    payload = {
+        "model": current.id,
+        "config": model.model_dump(mode="json"),
+        "drain_secs": _drain_secs(body.get("drain_secs", 120)),
+    }
     result = await client.control("replace_model", payload)
     pool.invalidate()
     return {**result, "persisted": await _persist(current.id, block, spec)}
@@ -180,8 +185,9 @@ async def set_options(client: InferenceClient, model_id: str, body: dict[str, An
     answer = {**model_options.layers(base, saved), "dry_run": dry_run}
     if dry_run:
         return answer
-    result = await client.control("update_model", {"model": base.id, "config": model.model_dump(mode="json"),
-                                                   "drain_secs": drain_secs})
+    result = await client.control(
+        "update_model", {"model": base.id, "config": model.model_dump(mode="json"), "drain_secs": drain_secs}
+    )
     pool.invalidate()
     persisted = await sync_to_async(save_options)(base.id, saved)
     return {**answer, "action": result["action"], "persisted": persisted}

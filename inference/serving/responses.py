@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from django.conf import settings
-from django.http import HttpResponse, JsonResponse
+from django.http import HttpResponseBase, JsonResponse
 
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import HypnosError, InvalidRequest
@@ -35,8 +35,11 @@ def _text_of(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") in (
-            "input_text", "output_text", "text"))
+        return "".join(
+            p.get("text", "")
+            for p in content
+            if isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
+        )
     raise InvalidRequest("a message's content must be a string or a list of text parts", param="input")
 
 
@@ -53,13 +56,27 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise InvalidRequest(f"input message role {role!r} is not supported", param="input")
-            messages.append({"role": "system" if role == "developer" else role, "content": _text_of(item.get("content"))})
+            messages.append(
+                {"role": "system" if role == "developer" else role, "content": _text_of(item.get("content"))}
+            )
         elif kind == "function_call":
-            messages.append({"role": "assistant", "content": "", "tool_calls": [
-                {"id": item.get("call_id"), "type": "function",
-                 "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}]})
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": item.get("call_id"),
+                            "type": "function",
+                            "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
+                        }
+                    ],
+                }
+            )
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": str(item.get("output", ""))})
+            messages.append(
+                {"role": "tool", "tool_call_id": item.get("call_id"), "content": str(item.get("output", ""))}
+            )
         else:
             raise InvalidRequest(f"input item type {kind!r} is not supported", param="input")
     if not messages:
@@ -70,8 +87,10 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
 def responses_work(body: ResponsesRequest, model: ModelConfig) -> GenerateWork:
     messages = input_messages(body)
     check_prompt_chars(sum(len(m["content"]) for m in messages), "input")
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                "parameters": t.parameters}} for t in body.tools or []]
+    tools = [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+        for t in body.tools or []
+    ]
     choice: Any = body.tool_choice or "auto"
     if isinstance(choice, dict):
         choice = {"name": choice.get("name")}
@@ -106,11 +125,19 @@ class _Builder:
 
     def response(self, status: str, output: list[dict[str, Any]], done: Done | None = None) -> dict[str, Any]:
         response: dict[str, Any] = {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "model": self.body.model, "output": output, "instructions": self.body.instructions,
-            "max_output_tokens": self.body.max_output_tokens, "temperature": self.body.temperature,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.body.model,
+            "output": output,
+            "instructions": self.body.instructions,
+            "max_output_tokens": self.body.max_output_tokens,
+            "temperature": self.body.temperature,
             "tools": [t.model_dump(by_alias=True) for t in self.body.tools or []],
-            "parallel_tool_calls": False, "error": None, "incomplete_details": None,
+            "parallel_tool_calls": False,
+            "error": None,
+            "incomplete_details": None,
         }
         if done is not None:
             usage = done.usage or Usage()
@@ -128,13 +155,24 @@ class _Builder:
         return response
 
     def message(self, text: str, status: str = "completed") -> dict[str, Any]:
-        return {"id": self.message_id, "type": "message", "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+        return {
+            "id": self.message_id,
+            "type": "message",
+            "status": status,
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else [],
+        }
 
     @staticmethod
     def function_call(call: dict[str, Any]) -> dict[str, Any]:
-        return {"id": "fc_" + call["id"].removeprefix("call_"), "type": "function_call", "status": "completed",
-                "call_id": call["id"], "name": call["function"]["name"], "arguments": call["function"]["arguments"]}
+        return {
+            "id": "fc_" + call["id"].removeprefix("call_"),
+            "type": "function_call",
+            "status": "completed",
+            "call_id": call["id"],
+            "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"],
+        }
 
     def output(self, text: str, done: Done, reasoning: str = "") -> list[dict[str, Any]]:
         items = [self.message(text)] if text or not done.tool_calls else []
@@ -148,7 +186,7 @@ class _Builder:
         return {"id": self.reasoning_id, "type": "reasoning", "status": status, "summary": [], "content": content}
 
 
-async def create_response(client: InferenceClient, body: ResponsesRequest, ctx: RequestContext) -> HttpResponse:
+async def create_response(client: InferenceClient, body: ResponsesRequest, ctx: RequestContext) -> HttpResponseBase:
     model = await resolve_model(client, body.model, ctx)
     work = responses_work(body, model)
     timeout = settings.HYPNOS.limits.request_timeout_secs
@@ -161,7 +199,9 @@ async def create_response(client: InferenceClient, body: ResponsesRequest, ctx: 
     except TimeoutError:
         return request_timed_out(timeout)
     record_stats(drained.done)
-    response = builder.response("completed", builder.output(drained.text, drained.done, drained.reasoning), drained.done)
+    response = builder.response(
+        "completed", builder.output(drained.text, drained.done, drained.reasoning), drained.done
+    )
     response["output_text"] = drained.text
     return with_wait_estimate(JsonResponse(response), call)
 
@@ -173,7 +213,8 @@ async def _response_events(call: InferenceCall, builder: _Builder, record: CallR
     def event(kind: str, **data: Any) -> str:
         nonlocal seq
         seq += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data}, ensure_ascii=False)}\n\n"
+        payload = json.dumps({"type": kind, "sequence_number": seq - 1, **data}, ensure_ascii=False)
+        return f"event: {kind}\ndata: {payload}\n\n"
 
     text: list[str] = []
     thoughts: list[str] = []
@@ -198,10 +239,17 @@ async def _response_events(call: InferenceCall, builder: _Builder, record: CallR
                 if isinstance(item, Reasoning) and item.text:
                     if not thoughts:
                         thinking = True
-                        yield event("response.output_item.added", output_index=0, item=builder.reasoning("", "in_progress"))
+                        yield event(
+                            "response.output_item.added", output_index=0, item=builder.reasoning("", "in_progress")
+                        )
                     thoughts.append(item.text)
-                    yield event("response.reasoning_text.delta", item_id=builder.reasoning_id, output_index=0,
-                                content_index=0, delta=item.text)
+                    yield event(
+                        "response.reasoning_text.delta",
+                        item_id=builder.reasoning_id,
+                        output_index=0,
+                        content_index=0,
+                        delta=item.text,
+                    )
                 elif isinstance(item, Delta) and item.text:
                     if thinking:
                         for line in close_reasoning():
@@ -209,10 +257,16 @@ async def _response_events(call: InferenceCall, builder: _Builder, record: CallR
                     if not opened:
                         opened = True
                         ids["output_index"] = 1 if thoughts else 0
-                        yield event("response.output_item.added", output_index=ids["output_index"],
-                                    item=builder.message("", "in_progress"))
-                        yield event("response.content_part.added", **ids,
-                                    part={"type": "output_text", "text": "", "annotations": []})
+                        yield event(
+                            "response.output_item.added",
+                            output_index=ids["output_index"],
+                            item=builder.message("", "in_progress"),
+                        )
+                        yield event(
+                            "response.content_part.added",
+                            **ids,
+                            part={"type": "output_text", "text": "", "annotations": []},
+                        )
                     text.append(item.text)
                     yield event("response.output_text.delta", **ids, delta=item.text)
                 elif isinstance(item, Done):
@@ -226,15 +280,29 @@ async def _response_events(call: InferenceCall, builder: _Builder, record: CallR
                         part = {"type": "output_text", "text": whole, "annotations": []}
                         yield event("response.output_text.done", **ids, text=whole)
                         yield event("response.content_part.done", **ids, part=part)
-                        yield event("response.output_item.done", output_index=ids["output_index"], item=builder.message(whole))
+                        yield event(
+                            "response.output_item.done", output_index=ids["output_index"], item=builder.message(whole)
+                        )
                         index += 1
                     for offset, tool_call in enumerate(item.tool_calls):
                         fc = builder.function_call(tool_call)
-                        yield event("response.output_item.added", output_index=index + offset, item={**fc, "arguments": "", "status": "in_progress"})
-                        yield event("response.function_call_arguments.delta", item_id=fc["id"], output_index=index + offset,
-                                    delta=fc["arguments"])
-                        yield event("response.function_call_arguments.done", item_id=fc["id"], output_index=index + offset,
-                                    arguments=fc["arguments"])
+                        yield event(
+                            "response.output_item.added",
+                            output_index=index + offset,
+                            item={**fc, "arguments": "", "status": "in_progress"},
+                        )
+                        yield event(
+                            "response.function_call_arguments.delta",
+                            item_id=fc["id"],
+                            output_index=index + offset,
+                            delta=fc["arguments"],
+                        )
+                        yield event(
+                            "response.function_call_arguments.done",
+                            item_id=fc["id"],
+                            output_index=index + offset,
+                            arguments=fc["arguments"],
+                        )
                         yield event("response.output_item.done", output_index=index + offset, item=fc)
                     final = builder.response("completed", builder.output(whole, item, "".join(thoughts)), item)
                     yield event("response.completed", response=final)

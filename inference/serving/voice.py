@@ -19,12 +19,14 @@ from inference.serving.context import RequestContext
 from inference.wire import Done
 
 
-async def transcribe_audio_parts(client: InferenceClient, body: ChatCompletionRequest, model: ModelConfig,
-                                 ctx: RequestContext) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
+async def transcribe_audio_parts(
+    client: InferenceClient, body: ChatCompletionRequest, model: ModelConfig, ctx: RequestContext
+) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
     """The request with its input_audio parts replaced by their transcripts, and one pipeline
     stage per clip. Unchanged when there is no audio or the model hears audio itself."""
-    clips = [p for m in body.messages if isinstance(m.content, list)
-             for p in m.content if isinstance(p, InputAudioPart)]
+    clips = [
+        p for m in body.messages if isinstance(m.content, list) for p in m.content if isinstance(p, InputAudioPart)
+    ]
     if not clips or model.modality == "speech_to_text" or not model.speech_to_text_model:
         return body, []
     stages: list[dict[str, Any]] = []
@@ -37,13 +39,22 @@ async def transcribe_audio_parts(client: InferenceClient, body: ChatCompletionRe
         _call, done = await transcribe(client, request, audio, stage_ctx, param="messages")
         result = done.result or {}
         transcripts[id(clip)] = result["text"]
-        stages.append({"stage": "transcription", "model": model.speech_to_text_model,
-                       "text": result["text"], "audio_secs": result["duration_secs"], **done.telemetry})
+        stages.append(
+            {
+                "stage": "transcription",
+                "model": model.speech_to_text_model,
+                "text": result["text"],
+                "audio_secs": result["duration_secs"],
+                **done.telemetry,
+            }
+        )
     messages = []
     for message in body.messages:
         if isinstance(message.content, list):
-            parts = [TextPart(type="text", text=transcripts[id(p)]) if isinstance(p, InputAudioPart) else p
-                     for p in message.content]
+            parts = [
+                TextPart(type="text", text=transcripts[id(p)]) if isinstance(p, InputAudioPart) else p
+                for p in message.content
+            ]
             message = message.model_copy(update={"content": parts})
         messages.append(message)
     return body.model_copy(update={"messages": messages}), stages

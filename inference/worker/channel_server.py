@@ -103,7 +103,11 @@ class ChannelServer:
         except (KeyError, ValidationError) as exc:
             await send(Error.of(InvalidRequest(f"malformed worker request: {exc}")))
             return
-        self.worker.submit(request, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
+
+        def sink(event: Any) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        self.worker.submit(request, sink)
         while True:
             try:
                 event = await asyncio.wait_for(queue.get(), HEARTBEAT_SECS)

@@ -59,8 +59,7 @@ SLOT_POLL_SECS = 0.05
 MIN_CONTEXT = 2048
 # The context estimate's budget for one image (spec §7.1).
 IMAGE_CONTEXT_TOKENS = 576
-CONTROL_OPS = ("status", "memory_status", "move", "set_limits", "kv_park", "enable", "disable", "moe_offload",
-               "fault")
+CONTROL_OPS = ("status", "memory_status", "move", "set_limits", "kv_park", "enable", "disable", "moe_offload", "fault")
 # `fault` (a real native crash in a running request's thread, for the supervisor's tests)
 # exists only when the worker runs with this set to 1.
 FAULT_INJECTION_ENV = "HYPNOS_FAULT_INJECTION"
@@ -97,16 +96,25 @@ class Worker:
         self.config = config
         self.device = probe_device(hardware_limits(config))
         self.tiers = TierManager(self.device, hardware_limits(config))
-        self.kv_parking = KvParking(config.hardware.kv_park, config.hardware.kv_park_max_bytes,
-                                    config.server.kv_idle_timeout_secs)
+        self.kv_parking = KvParking(
+            config.hardware.kv_park, config.hardware.kv_park_max_bytes, config.server.kv_idle_timeout_secs
+        )
         self.table = ModelTable(config.models)
         # The admission counters (ModelRuntime.admitted, change_done).
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.moves = TierMoves(config, self.tiers, self.kv_parking, self.table, self._stopping)
         self.pool_changes = PoolChanges(self.table, self.moves, self._lock)
-        self.reports = StatusReports(config, self.device, self.tiers, self.kv_parking, self.table, self.moves,
-                                     lambda: self.ready, self.estimated_wait_ms)
+        self.reports = StatusReports(
+            config,
+            self.device,
+            self.tiers,
+            self.kv_parking,
+            self.table,
+            self.moves,
+            lambda: self.ready,
+            self.estimated_wait_ms,
+        )
         self._cancels: dict[str, threading.Event] = {}
         self._leases: dict[str, Lease] = {}
         # Request ids armed by the `fault` control op (FAULT_INJECTION_ENV).
@@ -146,8 +154,12 @@ class Worker:
         """Stage the startup models in the background; the caller's port can open meanwhile."""
         threading.Thread(target=self._stage, name="hypnos-staging", daemon=True).start()
         if self.config.server.kv_idle_timeout_secs is not None:
-            threading.Thread(target=self.moves.empty_idle_slots, args=(self.config.server.kv_idle_timeout_secs,),
-                             name="hypnos-kv-idle", daemon=True).start()
+            threading.Thread(
+                target=self.moves.empty_idle_slots,
+                args=(self.config.server.kv_idle_timeout_secs,),
+                name="hypnos-kv-idle",
+                daemon=True,
+            ).start()
 
     @property
     def ready(self) -> bool:
@@ -178,7 +190,7 @@ class Worker:
                     runtime.problem = exc.message
             order = sorted(self.models.values(), key=lambda r: r.config.initial_tier)
             for runtime in order:
-                if not runtime.config.enabled or runtime.config.initial_tier == MemoryTier.TIER3:
+                if not runtime.config.enabled or runtime.config.initial_tier == MemoryTier.TIER3.value:
                     continue
                 try:
                     self.move(runtime.config.id, MemoryTier(runtime.config.initial_tier), None)
@@ -225,8 +237,10 @@ class Worker:
             if request.work.kind in MEDIA_OPS:
                 work = media_work(runtime.config, request.work)  # type: ignore[arg-type]
             else:
-                if not isinstance(request.work, GenerateWork) or \
-                        runtime.config.modality not in ("text_generation", "vision"):
+                if not isinstance(request.work, GenerateWork) or runtime.config.modality not in (
+                    "text_generation",
+                    "vision",
+                ):
                     raise InvalidRequest(
                         f"The model {runtime.config.id!r} serves {runtime.config.modality}, not chat completions.",
                         param="model",
@@ -262,6 +276,7 @@ class Worker:
     def _faulty(self, request_id: str, sink: Sink) -> Sink:
         """The request's sink, crashing the process natively (SIGSEGV) in the thread that emits
         the request's next event once `fault` armed it: the engine's thread, mid-generation."""
+
         def emit(event: Event) -> None:
             if request_id in self._faults:
                 log.error("request %s: fault injection, reading address 0", request_id)
@@ -357,7 +372,8 @@ class Worker:
             if deadline_ms is not None and estimate is not None and estimate > deadline_ms:
                 error = DeadlineUnmeetable(
                     f"The request would wait about {estimate:.0f} ms before it starts, beyond its "
-                    f"x-hypnos-deadline-ms of {deadline_ms:g}.")
+                    f"x-hypnos-deadline-ms of {deadline_ms:g}."
+                )
                 error.headers = {"Retry-After": str(max(1, math.ceil(estimate / 1000)))}
                 raise error
             runtime.admitted += 1
@@ -381,8 +397,9 @@ class Worker:
         wait += self.tiers.reload_estimate_ms(runtime.config.id) or 0.0
         return round(wait, 1)
 
-    def _run(self, runtime: ModelRuntime, request_id: str, work: ChatWork | MediaWork, cancel: threading.Event,
-             sink: Sink) -> None:
+    def _run(
+        self, runtime: ModelRuntime, request_id: str, work: ChatWork | MediaWork, cancel: threading.Event, sink: Sink
+    ) -> None:
         arrived = time.perf_counter()
         holding_slot = False
         lease: Lease | None = None
@@ -422,15 +439,17 @@ class Worker:
             if final is not None:
                 sink(final)
 
-    def _serve_chat(self, runtime: ModelRuntime, engine: Engine, work: ChatWork, lease: Lease,
-                    sink: Sink, queue_ms: float) -> Event:
+    def _serve_chat(
+        self, runtime: ModelRuntime, engine: Engine, work: ChatWork, lease: Lease, sink: Sink, queue_ms: float
+    ) -> Event:
         """Run the chat, streaming deltas into `sink`; the terminal `done` event is returned."""
         cancel = lease.cancel
         switch = self.moves.ensure_tier1(runtime, needed_context(work))
         # Rendered, tokenised and its grammar built before `started`: a refusal (a schema the
         # grammar limits refuse, a prompt beyond the context) is a 4xx before a stream's first byte.
         work = engine.prepare_chat(work, self.config.limits)
-        tokens = work.prepared.tokens if work.prepared is not None else None
+        # No prepared tokens reads as an empty list: it fits nothing, as before.
+        tokens = (work.prepared.tokens if work.prepared is not None else None) or []
         fits_model = bool(tokens) and len(tokens) < (engine.trained_context_len or len(tokens) + 1)
         if fits_model and not work.num_ctx and len(tokens) + work.max_tokens > engine.context_len:
             # The estimate from characters fell short: grow the context to the counted tokens.
@@ -469,6 +488,9 @@ class Worker:
         }
         if switch.phases:
             telemetry["tier_switch_phases"] = switch.phases.as_dict()
-        usage = Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
-                      cached_tokens=result.cached_tokens)
+        usage = Usage(
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            cached_tokens=result.cached_tokens,
+        )
         return Done(finish_reason=result.finish_reason, tool_calls=result.tool_calls, usage=usage, telemetry=telemetry)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,15 +52,28 @@ def media_work(config: ModelConfig, work: EmbedWork | TranscribeWork | SpeechWor
     return MediaWork(op, work)
 
 
-def serve_media(moves: TierMoves, runtime: ModelRuntime, engine: Engine, work: MediaWork, cancel: threading.Event,
-                sink: Any, queue_ms: float) -> Event:
+def serve_media(
+    moves: TierMoves,
+    runtime: ModelRuntime,
+    engine: Engine,
+    work: MediaWork,
+    cancel: threading.Event,
+    sink: Any,
+    queue_ms: float,
+) -> Event:
     """Bring the model to tier 1, run the op, and return the terminal `done` event with the
     spec's telemetry (§5); intermediate events (vectors, audio) go to `sink` as they come."""
     switch = moves.ensure_tier1(runtime, runtime.config.context_len)
     placement = moves.tiers.placement(runtime.config.id)
     switch_ms = round(switch.phases.total_ms, 1) if switch.phases else 0.0
     sink(Started(previous_tier=str(switch.previous_tier), gpu_layers=placement.gpu_layers, tier_switch_ms=switch_ms))
-    run = {"embed": _embed, "transcribe": _transcribe, "speech": _speech}[work.op]
+    # The payload's type matches the op (media_work built it from the request).
+    ops: dict[str, Callable[[Engine, Any, threading.Event, Any], tuple[dict, dict]]] = {
+        "embed": _embed,
+        "transcribe": _transcribe,
+        "speech": _speech,
+    }
+    run = ops[work.op]
     started = time.perf_counter()
     try:
         result, timings = run(engine, work.payload, cancel, sink)
@@ -88,7 +102,7 @@ def serve_media(moves: TierMoves, runtime: ModelRuntime, engine: Engine, work: M
 def _embed(engine: Engine, payload: EmbedWork, cancel: threading.Event, sink: Any) -> tuple[dict, dict]:
     vectors, tokens = engine.embed(payload.input, cancel)
     for start in range(0, len(vectors), VECTORS_PER_EVENT):
-        batch = vectors[start:start + VECTORS_PER_EVENT]
+        batch = vectors[start : start + VECTORS_PER_EVENT]
         sink(VectorChunk(data=[v.astype("<f4").tobytes() for v in batch]))
     return {"prompt_tokens": tokens}, {}
 
@@ -110,8 +124,12 @@ def _transcribe(engine: Engine, payload: TranscribeWork, cancel: threading.Event
     # The web process sends its limits.max_audio_secs and the request's field for the audio.
     samples = decode_audio(audio_bytes(payload), max_secs=payload.max_audio_secs, param=payload.audio_param)
     duration = len(samples) / TRANSCRIBE_RATE
-    options = {"language": payload.language, "prompt": payload.prompt, "temperature": payload.temperature,
-               "word_timestamps": payload.word_timestamps}
+    options = {
+        "language": payload.language,
+        "prompt": payload.prompt,
+        "temperature": payload.temperature,
+        "word_timestamps": payload.word_timestamps,
+    }
     result = engine.transcribe(samples, options, cancel)
     return {**result, "duration_secs": round(duration, 3)}, {"audio_secs": round(duration, 3)}
 

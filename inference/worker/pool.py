@@ -123,8 +123,7 @@ class PoolChanging(Exception):
         self.done = done
 
 
-def resubmit_after_change(submit: Callable[[Any, Sink], None], done: threading.Event, request: Any,
-                          sink: Sink) -> None:
+def resubmit_after_change(submit: Callable[[Any, Sink], None], done: threading.Event, request: Any, sink: Sink) -> None:
     """A request that arrived while its model drains: wait for the change to end, then route it
     again by name with `submit` (to the new model, or to a 404 when the model was removed)."""
     done.wait()
@@ -151,7 +150,8 @@ class _draining:
                 self._finish()
                 raise ModelBusy(
                     f"The model {runtime.config.id!r} still serves requests after drain_secs "
-                    f"({self.drain_secs:g} s); it stays in service unchanged.")
+                    f"({self.drain_secs:g} s); it stays in service unchanged."
+                )
             time.sleep(DRAIN_POLL_SECS)
         self._unload()
 

@@ -59,7 +59,8 @@ class ModelRuntime:
         with self.engine_idle:
             if not self.engine_idle.wait_for(lambda: self.engine_users == 0, timeout):
                 raise InsufficientMemory(
-                    f"The model {self.config.id!r} is still stopping an abandoned request; retry shortly.")
+                    f"The model {self.config.id!r} is still stopping an abandoned request; retry shortly."
+                )
 
     def note_service(self, ms: float) -> None:
         self.service_ms = ms if self.service_ms is None else 0.7 * self.service_ms + 0.3 * ms

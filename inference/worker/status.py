@@ -19,9 +19,17 @@ class StatusReports:
     """The worker's part that reports; it reads the other parts and changes nothing. `ready`
     and `estimated_wait_ms` are the worker's own (staging and admission)."""
 
-    def __init__(self, config: HypnosConfig, device: Device, tiers: TierManager, kv_parking: KvParking,
-                 table: ModelTable, moves: TierMoves, ready: Callable[[], bool],
-                 estimated_wait_ms: Callable[[ModelRuntime], float | None]):
+    def __init__(
+        self,
+        config: HypnosConfig,
+        device: Device,
+        tiers: TierManager,
+        kv_parking: KvParking,
+        table: ModelTable,
+        moves: TierMoves,
+        ready: Callable[[], bool],
+        estimated_wait_ms: Callable[[ModelRuntime], float | None],
+    ):
         self.config = config
         self.device = device
         self.tiers = tiers
@@ -73,8 +81,14 @@ class StatusReports:
             if model_id in self.tiers:
                 row.update(self.tiers.model_status(model_id))
             else:
-                row.update({"current_tier": str(MemoryTier.TIER3), "priority": config.priority,
-                            "active_leases": 0, "problem": runtime.problem})
+                row.update(
+                    {
+                        "current_tier": str(MemoryTier.TIER3),
+                        "priority": config.priority,
+                        "active_leases": 0,
+                        "problem": runtime.problem,
+                    }
+                )
             models.append(row)
         return {
             "capabilities": self.device.capabilities.as_dict(),
@@ -94,7 +108,10 @@ class StatusReports:
             "models": models,
             "recent_evictions": self.tiers.evictions(),
             "kv_park": self.kv_parking.status(),
-            **({"profile": self.config.server.profile.model_dump(exclude_none=True)}
-               if self.config.server.profile else {}),
+            **(
+                {"profile": self.config.server.profile.model_dump(exclude_none=True)}
+                if self.config.server.profile
+                else {}
+            ),
             "evictions_total": self.moves.evictions_total,
         }

@@ -43,8 +43,14 @@ class TierSwitch:
 class TierMoves:
     """The worker's part that moves models between the tiers (its engines, loads, evictions)."""
 
-    def __init__(self, config: HypnosConfig, tiers: TierManager, kv_parking: KvParking, table: ModelTable,
-                 stopping: threading.Event):
+    def __init__(
+        self,
+        config: HypnosConfig,
+        tiers: TierManager,
+        kv_parking: KvParking,
+        table: ModelTable,
+        stopping: threading.Event,
+    ):
         self.config = config
         self.tiers = tiers
         self.kv_parking = kv_parking
@@ -73,8 +79,12 @@ class TierMoves:
         if aux is not None and not aux.exists():
             raise ModelNotAvailable(f"The model {runtime.config.id!r} cannot be served: its aux file {aux} is missing.")
         # Unset means every core (llama-cpp-python's own default would be half of them).
-        engine = cls(runtime.config, weights, self.config.hardware.n_threads or os.cpu_count(),
-                     **({"aux": aux} if aux is not None else {}))
+        engine = cls(
+            runtime.config,
+            weights,
+            self.config.hardware.n_threads or os.cpu_count(),
+            **({"aux": aux} if aux is not None else {}),
+        )
         self.tiers.register(runtime.config.id, runtime.config.priority, engine.footprint(), runtime.config.moe_offload)
         runtime.engine = engine
         return engine
@@ -110,8 +120,13 @@ class TierMoves:
                 raise
             runtime.loads += 1
             self.tiers.note_load(model_id, switch.previous_tier, switch.phases.total_ms)
-            log.info("%s: %s -> tier 1 in %.0f ms (evicted %s)", model_id, switch.previous_tier,
-                     switch.phases.total_ms, switch.evicted or "nothing")
+            log.info(
+                "%s: %s -> tier 1 in %.0f ms (evicted %s)",
+                model_id,
+                switch.previous_tier,
+                switch.phases.total_ms,
+                switch.evicted or "nothing",
+            )
             return switch
 
     def _restore_parked(self, model_id: str, engine: Engine, phases: LoadPhases) -> None:
@@ -211,8 +226,12 @@ class TierMoves:
                         self.demote(model_id, engine, MemoryTier.TIER2)
             finally:
                 self.tiers.release(model_id, served=False)
-        return {"model": model_id, "moe_offload": mode, "applies": "next_load" if busy else "now",
-                "placement": self.tiers.placement(model_id).as_dict()}
+        return {
+            "model": model_id,
+            "moe_offload": mode,
+            "applies": "next_load" if busy else "now",
+            "placement": self.tiers.placement(model_id).as_dict(),
+        }
 
     def empty_idle_slots(self, idle_secs: float) -> None:
         """server.kv_idle_timeout_secs: every few seconds, empty the KV of the slots of idle
@@ -222,8 +241,12 @@ class TierMoves:
                 with self.placement_lock:
                     # No lease: no request can start meanwhile; no engine user: no abandoned one
                     # (its lease already released) is still stopping. A loaded engine is registered.
-                    if (runtime.engine is not None and runtime.engine.loaded
-                            and not self.tiers.leases(model_id) and not runtime.engine_users):
+                    if (
+                        runtime.engine is not None
+                        and runtime.engine.loaded
+                        and not self.tiers.leases(model_id)
+                        and not runtime.engine_users
+                    ):
                         dropped = runtime.engine.empty_idle_slots(idle_secs)
                         if dropped:
                             log.info("%s: emptied %d tokens of KV idle for %gs", model_id, dropped, idle_secs)

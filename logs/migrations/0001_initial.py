@@ -4,45 +4,43 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='RequestLogEntry',
+            name="RequestLogEntry",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('request_id', models.CharField(max_length=40, unique=True)),
-                ('route', models.CharField(max_length=100)),
-                ('method', models.CharField(max_length=10)),
-                ('status', models.PositiveSmallIntegerField()),
-                ('key_label', models.CharField(blank=True, max_length=100, null=True)),
-                ('started_at', models.DateTimeField()),
-                ('duration_ms', models.FloatField()),
-                ('model', models.CharField(blank=True, default='', max_length=200)),
-                ('stream', models.BooleanField(default=False)),
-                ('tokens_in', models.PositiveIntegerField(blank=True, null=True)),
-                ('tokens_out', models.PositiveIntegerField(blank=True, null=True)),
-                ('cached_tokens', models.PositiveIntegerField(blank=True, null=True)),
-                ('tokens_per_s', models.FloatField(blank=True, null=True)),
-                ('inference_ms', models.FloatField(blank=True, null=True)),
-                ('tier_switch_ms', models.FloatField(blank=True, null=True)),
-                ('previous_tier', models.CharField(blank=True, default='', max_length=20)),
-                ('error', models.TextField(blank=True, default='')),
-                ('level', models.CharField(max_length=8)),
-                ('truncated', models.BooleanField(default=False)),
-                ('input', models.TextField(blank=True, null=True)),
-                ('output', models.TextField(blank=True, null=True)),
-                ('request_payload', models.TextField(blank=True, null=True)),
-                ('response_payload', models.TextField(blank=True, null=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("request_id", models.CharField(max_length=40, unique=True)),
+                ("route", models.CharField(max_length=100)),
+                ("method", models.CharField(max_length=10)),
+                ("status", models.PositiveSmallIntegerField()),
+                ("key_label", models.CharField(blank=True, max_length=100, null=True)),
+                ("started_at", models.DateTimeField()),
+                ("duration_ms", models.FloatField()),
+                ("model", models.CharField(blank=True, default="", max_length=200)),
+                ("stream", models.BooleanField(default=False)),
+                ("tokens_in", models.PositiveIntegerField(blank=True, null=True)),
+                ("tokens_out", models.PositiveIntegerField(blank=True, null=True)),
+                ("cached_tokens", models.PositiveIntegerField(blank=True, null=True)),
+                ("tokens_per_s", models.FloatField(blank=True, null=True)),
+                ("inference_ms", models.FloatField(blank=True, null=True)),
+                ("tier_switch_ms", models.FloatField(blank=True, null=True)),
+                ("previous_tier", models.CharField(blank=True, default="", max_length=20)),
+                ("error", models.TextField(blank=True, default="")),
+                ("level", models.CharField(max_length=8)),
+                ("truncated", models.BooleanField(default=False)),
+                ("input", models.TextField(blank=True, null=True)),
+                ("output", models.TextField(blank=True, null=True)),
+                ("request_payload", models.TextField(blank=True, null=True)),
+                ("response_payload", models.TextField(blank=True, null=True)),
             ],
             options={
-                'verbose_name': 'request log entry',
-                'verbose_name_plural': 'request log',
-                'ordering': ['-id'],
+                "verbose_name": "request log entry",
+                "verbose_name_plural": "request log",
+                "ordering": ["-id"],
             },
         ),
     ]

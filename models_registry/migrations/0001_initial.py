@@ -4,30 +4,28 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='ApiKey',
+            name="ApiKey",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('label', models.CharField(max_length=100, unique=True)),
-                ('key_hash', models.CharField(editable=False, max_length=64, unique=True)),
-                ('key_prefix', models.CharField(editable=False, max_length=16)),
-                ('admin', models.BooleanField(default=False, help_text='May change the model pool.')),
-                ('active', models.BooleanField(default=True)),
-                ('requests_per_minute', models.PositiveIntegerField(blank=True, null=True)),
-                ('max_concurrent', models.PositiveIntegerField(blank=True, null=True)),
-                ('tokens_per_day', models.PositiveIntegerField(blank=True, null=True)),
-                ('created', models.DateTimeField(auto_now_add=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("label", models.CharField(max_length=100, unique=True)),
+                ("key_hash", models.CharField(editable=False, max_length=64, unique=True)),
+                ("key_prefix", models.CharField(editable=False, max_length=16)),
+                ("admin", models.BooleanField(default=False, help_text="May change the model pool.")),
+                ("active", models.BooleanField(default=True)),
+                ("requests_per_minute", models.PositiveIntegerField(blank=True, null=True)),
+                ("max_concurrent", models.PositiveIntegerField(blank=True, null=True)),
+                ("tokens_per_day", models.PositiveIntegerField(blank=True, null=True)),
+                ("created", models.DateTimeField(auto_now_add=True)),
             ],
             options={
-                'verbose_name': 'API key',
-                'ordering': ['label'],
+                "verbose_name": "API key",
+                "ordering": ["label"],
             },
         ),
     ]

@@ -4,25 +4,33 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('models_registry', '0001_initial'),
+        ("models_registry", "0001_initial"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='apikey',
-            name='allowed_models',
-            field=models.CharField(blank=True, default='', help_text='Comma-separated model ids or aliases this key may use; blank = every model.', max_length=1000),
+            model_name="apikey",
+            name="allowed_models",
+            field=models.CharField(
+                blank=True,
+                default="",
+                help_text="Comma-separated model ids or aliases this key may use; blank = every model.",
+                max_length=1000,
+            ),
         ),
         migrations.AlterField(
-            model_name='apikey',
-            name='max_concurrent',
-            field=models.PositiveIntegerField(blank=True, help_text='Calls in flight at once; a stream counts until its last byte.', null=True),
+            model_name="apikey",
+            name="max_concurrent",
+            field=models.PositiveIntegerField(
+                blank=True, help_text="Calls in flight at once; a stream counts until its last byte.", null=True
+            ),
         ),
         migrations.AlterField(
-            model_name='apikey',
-            name='tokens_per_day',
-            field=models.PositiveIntegerField(blank=True, help_text='Prompt plus completion tokens per UTC day.', null=True),
+            model_name="apikey",
+            name="tokens_per_day",
+            field=models.PositiveIntegerField(
+                blank=True, help_text="Prompt plus completion tokens per UTC day.", null=True
+            ),
         ),
     ]

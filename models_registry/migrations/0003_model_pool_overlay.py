@@ -4,38 +4,58 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('models_registry', '0002_allowed_models'),
+        ("models_registry", "0002_allowed_models"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='ModelOptions',
+            name="ModelOptions",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('model_id', models.CharField(max_length=200, unique=True)),
-                ('options', models.JSONField(blank=True, default=dict)),
-                ('updated', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("model_id", models.CharField(max_length=200, unique=True)),
+                ("options", models.JSONField(blank=True, default=dict)),
+                ("updated", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'verbose_name': 'model options',
-                'verbose_name_plural': 'model options',
-                'ordering': ['model_id'],
+                "verbose_name": "model options",
+                "verbose_name_plural": "model options",
+                "ordering": ["model_id"],
             },
         ),
         migrations.CreateModel(
-            name='ModelOverlay',
+            name="ModelOverlay",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('model_id', models.CharField(max_length=200, unique=True)),
-                ('action', models.CharField(choices=[('added', 'added'), ('replaced', 'replaced (a config model)'), ('removed', 'removed (a config model)')], max_length=10)),
-                ('block', models.TextField(blank=True, help_text='The [[models]] block (TOML) the model runs with; its id is model_id. Empty when removed.')),
-                ('source', models.CharField(blank=True, help_text='The catalog spec the block came from, if any.', max_length=200)),
-                ('updated', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("model_id", models.CharField(max_length=200, unique=True)),
+                (
+                    "action",
+                    models.CharField(
+                        choices=[
+                            ("added", "added"),
+                            ("replaced", "replaced (a config model)"),
+                            ("removed", "removed (a config model)"),
+                        ],
+                        max_length=10,
+                    ),
+                ),
+                (
+                    "block",
+                    models.TextField(
+                        blank=True,
+                        help_text="The [[models]] block (TOML) the model runs with; its id is model_id. Empty when removed.",
+                    ),
+                ),
+                (
+                    "source",
+                    models.CharField(
+                        blank=True, help_text="The catalog spec the block came from, if any.", max_length=200
+                    ),
+                ),
+                ("updated", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ['model_id'],
+                "ordering": ["model_id"],
             },
         ),
     ]

@@ -99,7 +99,7 @@ initial_tier = "tier3_nvme_ssd"
 id = "all-minilm-l6-v2"
 modality = "embeddings"
 engine = "ggml_llama"
-weights_path = "{media['all-minilm-l6-v2']}"
+weights_path = "{media["all-minilm-l6-v2"]}"
 context_len = 512
 initial_tier = "tier3_nvme_ssd"
 aliases = ["text-embedding-3-small"]
@@ -108,7 +108,7 @@ aliases = ["text-embedding-3-small"]
 id = "whisper-tiny.en"
 modality = "speech_to_text"
 engine = "ggml_whisper"
-weights_path = "{media['whisper-tiny.en']}"
+weights_path = "{media["whisper-tiny.en"]}"
 initial_tier = "tier3_nvme_ssd"
 aliases = ["whisper-1"]
 
@@ -116,7 +116,7 @@ aliases = ["whisper-1"]
 id = "piper-joe"
 modality = "text_to_speech"
 engine = "onnx_runtime"
-weights_path = "{media['piper-joe']}"
+weights_path = "{media["piper-joe"]}"
 initial_tier = "tier3_nvme_ssd"
 aliases = ["tts-1"]
 """
@@ -194,9 +194,13 @@ def distributed(tmp_path_factory, redis_url: str, postgres_url: str) -> Iterator
     directory = tmp_path_factory.mktemp("distributed")
     port = free_port()
     env = base_env(
-        write_config(directory), directory,
-        HYPNOS_DEPLOYMENT="distributed", HYPNOS_DATABASE_URL=postgres_url, HYPNOS_REDIS_URL=redis_url,
-        HYPNOS_CHANNEL_PREFIX="hypnos-e2e-" + uuid.uuid4().hex[:8], HYPNOS_PORT=str(port),
+        write_config(directory),
+        directory,
+        HYPNOS_DEPLOYMENT="distributed",
+        HYPNOS_DATABASE_URL=postgres_url,
+        HYPNOS_REDIS_URL=redis_url,
+        HYPNOS_CHANNEL_PREFIX="hypnos-e2e-" + uuid.uuid4().hex[:8],
+        HYPNOS_PORT=str(port),
     )
     run_manage(["migrate", "--no-input", "-v0"], env)
     worker = start("runinference", ["manage.py", "runinference"], env, directory)

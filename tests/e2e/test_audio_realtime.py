@@ -30,20 +30,33 @@ def events_until(ws, kind: str) -> list[dict]:
 
 
 def test_server_vad_ends_the_turn_and_the_transcript_comes_back(server: Server):
-    pcm = httpx.post(f"{server.base_url}/v1/audio/speech", timeout=60,
-                     json={"model": "piper-joe", "input": SENTENCE, "response_format": "pcm"}).content
+    pcm = httpx.post(
+        f"{server.base_url}/v1/audio/speech",
+        timeout=60,
+        json={"model": "piper-joe", "input": SENTENCE, "response_format": "pcm"},
+    ).content
     url = server.base_url.replace("http://", "ws://") + "/v1/realtime?intent=transcription&api_key=unused"
     with connect(url) as ws:
         assert json.loads(ws.recv(timeout=10))["type"] == "transcription_session.created"
         audio = bytes(RATE // 2 * 2) + pcm + bytes(RATE * 2)  # 0.5 s silence, speech, 1 s silence
         step = RATE * 2 // 10
         for start in range(0, len(audio), step):
-            ws.send(json.dumps({"type": "input_audio_buffer.append",
-                                "audio": base64.b64encode(audio[start:start + step]).decode()}))
+            ws.send(
+                json.dumps(
+                    {
+                        "type": "input_audio_buffer.append",
+                        "audio": base64.b64encode(audio[start : start + step]).decode(),
+                    }
+                )
+            )
         events = events_until(ws, "conversation.item.input_audio_transcription.completed")
     kinds = [e["type"] for e in events]
-    assert kinds[:4] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
-                         "input_audio_buffer.committed", "conversation.item.created"]
+    assert kinds[:4] == [
+        "input_audio_buffer.speech_started",
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "conversation.item.created",
+    ]
     started, stopped = events[0], events[1]
     assert 450 <= started["audio_start_ms"] <= 600
     assert stopped["audio_end_ms"] > started["audio_start_ms"] + 1500

@@ -55,9 +55,13 @@ def test_a_second_web_process_with_database_keys_shares_the_worker(distributed: 
 def test_without_a_worker_requests_get_a_503_in_bounded_time(tmp_path, redis_url, postgres_url):
     port = free_port()
     env = base_env(
-        write_config(tmp_path, ack_timeout_secs=1.0), tmp_path,
-        HYPNOS_DEPLOYMENT="distributed", HYPNOS_DATABASE_URL=postgres_url, HYPNOS_REDIS_URL=redis_url,
-        HYPNOS_CHANNEL_PREFIX="hypnos-noworker-" + uuid.uuid4().hex[:8], HYPNOS_PORT=str(port),
+        write_config(tmp_path, ack_timeout_secs=1.0),
+        tmp_path,
+        HYPNOS_DEPLOYMENT="distributed",
+        HYPNOS_DATABASE_URL=postgres_url,
+        HYPNOS_REDIS_URL=redis_url,
+        HYPNOS_CHANNEL_PREFIX="hypnos-noworker-" + uuid.uuid4().hex[:8],
+        HYPNOS_PORT=str(port),
     )
     web = start("daphne-alone", ["-m", "hypnos_site.serve"], env, tmp_path)
     base_url = f"http://127.0.0.1:{port}"
@@ -72,8 +76,9 @@ def test_without_a_worker_requests_get_a_503_in_bounded_time(tmp_path, redis_url
         ready = httpx.get(f"{base_url}/ready", timeout=10)
         assert ready.status_code == 503 and ready.json()["ready"] is False
         started = time.monotonic()
-        response = httpx.post(f"{base_url}/v1/chat/completions", timeout=30,
-                              json={"model": "smollm2-135m", "messages": PARIS_MESSAGES})
+        response = httpx.post(
+            f"{base_url}/v1/chat/completions", timeout=30, json={"model": "smollm2-135m", "messages": PARIS_MESSAGES}
+        )
         assert time.monotonic() - started < 5
         assert response.status_code == 503
         assert response.json()["error"]["type"] == "model_not_available"
@@ -92,14 +97,23 @@ def test_memory_status_and_tier_moves_cross_the_channel_layer(distributed: Serve
     # The session's server may hold other models in tier 1 by now (the audio and embedding tests).
     resident = [m["placement"] for m in status["models"] if m["current_tier"] == "tier1_gpu_vram"]
     assert status["tier1_vram_used_bytes"] == sum(
-        p["vram_weight_bytes"] + p["vram_kv_and_workspace_bytes"] for p in resident)
-    moved = httpx.post(f"{base}/v1/memory/tier", json={"model": "smollm2-135m", "target_tier": "tier2_pinned_ram"},
-                       timeout=60)
+        p["vram_weight_bytes"] + p["vram_kv_and_workspace_bytes"] for p in resident
+    )
+    moved = httpx.post(
+        f"{base}/v1/memory/tier", json={"model": "smollm2-135m", "target_tier": "tier2_pinned_ram"}, timeout=60
+    )
     assert moved.status_code == 200 and moved.json()["placement"]["primary_tier"] == "tier2_pinned_ram"
-    answer = httpx.post(f"{base}/v1/chat/completions", timeout=60,
-                        json={"model": "smollm2-135m", "messages": PARIS_MESSAGES, "max_tokens": 2}).json()
+    answer = httpx.post(
+        f"{base}/v1/chat/completions",
+        timeout=60,
+        json={"model": "smollm2-135m", "messages": PARIS_MESSAGES, "max_tokens": 2},
+    ).json()
     telemetry = answer["hypnos_telemetry"]
     assert telemetry["previous_tier"] == "tier2_pinned_ram"
     assert telemetry["tier_switch_phases"]["load_mode"] == "mmap"
-    assert httpx.post(f"{base}/v1/memory/tier", json={"model": "nope", "target_tier": "tier1_gpu_vram"},
-                      timeout=30).status_code == 404
+    assert (
+        httpx.post(
+            f"{base}/v1/memory/tier", json={"model": "nope", "target_tier": "tier1_gpu_vram"}, timeout=30
+        ).status_code
+        == 404
+    )

@@ -54,8 +54,12 @@ def test_a_bad_key_on_the_realtime_socket_closes_it_with_1008(keyed: Server):
 
 
 def test_a_plain_key_is_refused_the_admin_routes_over_http(keyed: Server):
-    for method, path in [("POST", "/v1/models/smollm2-135m/disable"), ("DELETE", "/v1/logs"),
-                         ("POST", "/api/v1/unload"), ("POST", "/v1/logs/level")]:
+    for method, path in [
+        ("POST", "/v1/models/smollm2-135m/disable"),
+        ("DELETE", "/v1/logs"),
+        ("POST", "/api/v1/unload"),
+        ("POST", "/v1/logs/level"),
+    ]:
         response = httpx.request(method, keyed.base_url + path, headers=bearer(PLAIN), json={"level": "trace"})
         assert response.status_code == 403, (path, response.text)
         assert response.json()["error"]["type"] == "permission_denied"
@@ -65,11 +69,16 @@ def test_a_plain_key_is_refused_the_admin_routes_over_http(keyed: Server):
 
 
 def test_a_stream_the_client_closes_is_logged_with_what_it_delivered(keyed: Server):
-    body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Tell a long story about a dragon."}],
-            "max_tokens": 200, "stream": True}
+    body = {
+        "model": "smollm2-135m",
+        "messages": [{"role": "user", "content": "Tell a long story about a dragon."}],
+        "max_tokens": 200,
+        "stream": True,
+    }
     received = 0
-    with httpx.stream("POST", f"{keyed.base_url}/v1/chat/completions", headers=bearer(PLAIN), json=body,
-                      timeout=60) as response:
+    with httpx.stream(
+        "POST", f"{keyed.base_url}/v1/chat/completions", headers=bearer(PLAIN), json=body, timeout=60
+    ) as response:
         request_id = response.headers["x-request-id"]
         for line in response.iter_lines():
             if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):

@@ -73,7 +73,7 @@ def _unchunk(data: bytes) -> bytes:
         size, _, rest = data.partition(b"\r\n")
         if int(size, 16) == 0:
             return body
-        body, data = body + rest[: int(size, 16)], rest[int(size, 16) + 2:]
+        body, data = body + rest[: int(size, 16)], rest[int(size, 16) + 2 :]
 
 
 def closed_by_server(sock: socket.socket) -> bool:
@@ -100,8 +100,14 @@ def test_a_content_length_above_the_limit_is_a_413_before_the_body_is_sent(cappe
 
 def test_a_client_that_expects_100_continue_gets_the_413_instead(capped):
     with open_socket(capped) as sock:
-        sock.sendall(head("/v1/chat/completions", "Content-Type: application/json",
-                          f"Content-Length: {LIMIT + 1}", "Expect: 100-continue"))
+        sock.sendall(
+            head(
+                "/v1/chat/completions",
+                "Content-Type: application/json",
+                f"Content-Length: {LIMIT + 1}",
+                "Expect: 100-continue",
+            )
+        )
         status, _, _ = read_response(sock)
         assert status == 413
         assert closed_by_server(sock)
@@ -109,8 +115,13 @@ def test_a_client_that_expects_100_continue_gets_the_413_instead(capped):
 
 def test_a_multipart_upload_above_the_limit_gets_the_json_413(capped):
     with open_socket(capped) as sock:
-        sock.sendall(head("/v1/audio/transcriptions", "Content-Type: multipart/form-data; boundary=b",
-                          f"Content-Length: {LIMIT * 4}"))
+        sock.sendall(
+            head(
+                "/v1/audio/transcriptions",
+                "Content-Type: multipart/form-data; boundary=b",
+                f"Content-Length: {LIMIT * 4}",
+            )
+        )
         status, headers, body = read_response(sock)
         assert status == 413 and headers["content-type"] == "application/json"
         assert json.loads(body)["error"]["code"] == "payload_too_large"
@@ -135,7 +146,7 @@ def test_a_chunked_body_under_the_limit_is_read_whole(capped):
     with open_socket(capped) as sock:
         sock.sendall(head("/v1/chat/completions", "Content-Type: application/json", "Transfer-Encoding: chunked"))
         for start in range(0, len(payload), 7):
-            sock.sendall(chunk(payload[start:start + 7]))
+            sock.sendall(chunk(payload[start : start + 7]))
         sock.sendall(b"0\r\n\r\n")
         sock.settimeout(120)
         status, _, body = read_response(sock)
@@ -160,8 +171,9 @@ def test_a_chunked_body_of_exactly_the_limit_passes_the_edge(capped):
 
 def test_multipart_without_a_boundary_is_a_400_in_the_envelope(capped):
     with open_socket(capped) as sock:
-        sock.sendall(head("/v1/audio/transcriptions", "Content-Type: multipart/form-data", "Content-Length: 9")
-                     + b"--x\r\n--x--")
+        sock.sendall(
+            head("/v1/audio/transcriptions", "Content-Type: multipart/form-data", "Content-Length: 9") + b"--x\r\n--x--"
+        )
         status, headers, body = read_response(sock)
     assert status == 400
     assert headers["content-type"] == "application/json" and headers["x-request-id"].startswith("req-")
@@ -172,8 +184,9 @@ def test_multipart_without_a_boundary_is_a_400_in_the_envelope(capped):
 def test_json_nested_30000_deep_is_a_400(capped):
     body = ("[" * 30_000 + "]" * 30_000).encode()  # under the 64 KiB limit
     with open_socket(capped) as sock:
-        sock.sendall(head("/v1/chat/completions", "Content-Type: application/json", f"Content-Length: {len(body)}")
-                     + body)
+        sock.sendall(
+            head("/v1/chat/completions", "Content-Type: application/json", f"Content-Length: {len(body)}") + body
+        )
         status, _, answer = read_response(sock)
     assert status == 400
     assert "deeper than 64 levels" in json.loads(answer)["error"]["message"]
@@ -218,12 +231,15 @@ def test_nul_characters_never_reach_postgresql_as_a_500(distributed, path, body)
     assert log.status_code == 200
 
 
-@pytest.mark.parametrize("request_bytes", [
-    head("/v1/models", "X-Thing: a\x00b", method="GET"),  # NUL in a header value (twisted)
-    head("/v1/chat/completions", "Content-Type: application/json", "Transfer-Encoding: chunked") + b"zz\r\n",
-    b"GET /v1/models HTTP/1.1 extra\r\nHost: 127.0.0.1\r\n\r\n",
-    head("/v1/models?q=\xff", method="GET"),  # not ASCII (daphne's own check)
-])
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        head("/v1/models", "X-Thing: a\x00b", method="GET"),  # NUL in a header value (twisted)
+        head("/v1/chat/completions", "Content-Type: application/json", "Transfer-Encoding: chunked") + b"zz\r\n",
+        b"GET /v1/models HTTP/1.1 extra\r\nHost: 127.0.0.1\r\n\r\n",
+        head("/v1/models?q=\xff", method="GET"),  # not ASCII (daphne's own check)
+    ],
+)
 def test_what_the_http_layer_cannot_parse_is_a_400_in_the_envelope(capped, request_bytes):
     with open_socket(capped) as sock:
         sock.sendall(request_bytes)

@@ -37,8 +37,11 @@ from tests.e2e.conftest import Proc, base_env, free_port, require_service, run_m
 pytestmark = pytest.mark.e2e
 ACK_TIMEOUT_SECS = 2.0
 CHAT = "/v1/chat/completions"
-STORY = {"model": "smollm2-135m", "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
-         "max_tokens": 2000}
+STORY = {
+    "model": "smollm2-135m",
+    "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+    "max_tokens": 2000,
+}
 # From the kill to the error: the web's reply deadline (1.5 s) and some scheduling.
 NOTICED_WITHIN_SECS = 2.0
 
@@ -68,18 +71,34 @@ class Deployment:
 
     def fault(self, request_id: str) -> Any:
         """The `fault` control op, sent to the worker through the channel layer like the web's."""
+
         async def send() -> Any:
             layer = RedisChannelLayer(hosts=[self.redis_url], prefix=self.env["HYPNOS_CHANNEL_PREFIX"])
             return await InferenceClient(ChannelLayerTransport(layer, ACK_TIMEOUT_SECS)).control(
-                "fault", {"request_id": request_id})
+                "fault", {"request_id": request_id}
+            )
 
         return asyncio.run(send())
 
 
 def start_redis(port: int, directory: Path) -> subprocess.Popen[bytes]:
     server = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(directory)], stdout=(directory / "redis.log").open("ab"), stderr=subprocess.STDOUT)
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(directory),
+        ],
+        stdout=(directory / "redis.log").open("ab"),
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -98,10 +117,13 @@ def deployment(tmp_path_factory, postgres_url: str) -> Iterator[Deployment]:
     redis_port, port = free_port(), free_port()
     redis_server = start_redis(redis_port, directory)
     env = base_env(
-        write_config(directory, ack_timeout_secs=ACK_TIMEOUT_SECS), directory,
-        HYPNOS_DEPLOYMENT="distributed", HYPNOS_DATABASE_URL=postgres_url,
+        write_config(directory, ack_timeout_secs=ACK_TIMEOUT_SECS),
+        directory,
+        HYPNOS_DEPLOYMENT="distributed",
+        HYPNOS_DATABASE_URL=postgres_url,
         HYPNOS_REDIS_URL=f"redis://127.0.0.1:{redis_port}/0",
-        HYPNOS_CHANNEL_PREFIX="hypnos-faults-" + uuid.uuid4().hex[:8], HYPNOS_PORT=str(port),
+        HYPNOS_CHANNEL_PREFIX="hypnos-faults-" + uuid.uuid4().hex[:8],
+        HYPNOS_PORT=str(port),
         HYPNOS_FAULT_INJECTION="1",
     )
     run_manage(["migrate", "--no-input", "-v0"], env)
@@ -129,7 +151,7 @@ def sse_events(response: httpx.Response, on_content: Any = None) -> tuple[list[A
     for line in response.iter_lines():
         if not line.startswith("data: "):
             continue
-        payload = line[len("data: "):]
+        payload = line[len("data: ") :]
         event = payload if payload == "[DONE]" else json.loads(payload)
         events.append(event)
         if on_content is not None and event != "[DONE]" and event["choices"][0]["delta"].get("content"):
@@ -152,8 +174,11 @@ def wait_served(base_url: str, timeout: float = 120) -> httpx.Response:
     last: httpx.Response | None = None
     while time.monotonic() < deadline:
         try:
-            last = httpx.post(f"{base_url}{CHAT}", json={"model": "smollm2-135m", "messages": PARIS_MESSAGES,
-                                                          "max_tokens": 8}, timeout=30)
+            last = httpx.post(
+                f"{base_url}{CHAT}",
+                json={"model": "smollm2-135m", "messages": PARIS_MESSAGES, "max_tokens": 8},
+                timeout=30,
+            )
             if last.status_code == 200:
                 return last
             assert last.status_code == 503, last.text  # restarting: never a 500
@@ -261,8 +286,9 @@ def test_a_redis_outage_is_a_503_and_the_service_resumes_when_redis_is_back(depl
     assert ended - stopped[0] < NOTICED_WITHIN_SECS
     try:
         started = time.monotonic()
-        refused = httpx.post(f"{deployment.base_url}{CHAT}", json={"model": "smollm2-135m", "messages": PARIS_MESSAGES},
-                             timeout=30)
+        refused = httpx.post(
+            f"{deployment.base_url}{CHAT}", json={"model": "smollm2-135m", "messages": PARIS_MESSAGES}, timeout=30
+        )
         assert time.monotonic() - started < ACK_TIMEOUT_SECS + 0.5
         assert refused.status_code == 503
         assert refused.json()["error"]["type"] == "model_not_available"
@@ -279,8 +305,9 @@ def test_without_a_worker_a_chat_is_a_503_within_the_ack_timeout(deployment):
     assert deployment.worker.popen.returncode == 0
     time.sleep(1.2)  # the web's copy of the pool is stale: the request asks the worker's status first
     started = time.monotonic()
-    response = httpx.post(f"{deployment.base_url}{CHAT}", json={"model": "smollm2-135m", "messages": PARIS_MESSAGES},
-                          timeout=30)
+    response = httpx.post(
+        f"{deployment.base_url}{CHAT}", json={"model": "smollm2-135m", "messages": PARIS_MESSAGES}, timeout=30
+    )
     elapsed = time.monotonic() - started
     assert response.status_code == 503
     assert response.headers["retry-after"] == "5"

@@ -21,8 +21,9 @@ QWEN = "qwen2.5-coder-0.5b"
 def start_servers(env: dict[str, str], ports: list[int], directory, round_: int) -> list[Proc]:  # type: ignore[no-untyped-def]
     procs = [start(f"runinference-{round_}", ["manage.py", "runinference"], env, directory)]
     for port in ports:
-        procs.append(start(f"daphne-{port}-{round_}", ["-m", "hypnos_site.serve"], {**env, "HYPNOS_PORT": str(port)},
-                           directory))
+        procs.append(
+            start(f"daphne-{port}-{round_}", ["-m", "hypnos_site.serve"], {**env, "HYPNOS_PORT": str(port)}, directory)
+        )
     for port in ports:
         wait_ready(f"http://127.0.0.1:{port}", *procs)
     return procs
@@ -35,13 +36,18 @@ def ask(port: int, model: str) -> str:
 
 
 def test_a_model_added_through_one_web_process_is_served_everywhere_and_survives_a_restart(
-        tmp_path, redis_url, postgres_url):
+    tmp_path, redis_url, postgres_url
+):
     suite = load_config({"HYPNOS_CONFIG": str(BASE_DIR / "tests" / "hypnos.test.toml")})
     ports = [free_port(), free_port()]
     env = base_env(
-        write_config(tmp_path), tmp_path,
-        HYPNOS_DEPLOYMENT="distributed", HYPNOS_DATABASE_URL=postgres_url, HYPNOS_REDIS_URL=redis_url,
-        HYPNOS_CHANNEL_PREFIX="hypnos-pool-" + uuid.uuid4().hex[:8], HYPNOS_MODELS_DIR=str(suite.models_dir),
+        write_config(tmp_path),
+        tmp_path,
+        HYPNOS_DEPLOYMENT="distributed",
+        HYPNOS_DATABASE_URL=postgres_url,
+        HYPNOS_REDIS_URL=redis_url,
+        HYPNOS_CHANNEL_PREFIX="hypnos-pool-" + uuid.uuid4().hex[:8],
+        HYPNOS_MODELS_DIR=str(suite.models_dir),
     )
     run_manage(["migrate", "--no-input", "-v0"], env)
     procs = start_servers(env, ports, tmp_path, 1)
@@ -63,8 +69,9 @@ def test_a_model_added_through_one_web_process_is_served_everywhere_and_survives
         assert ask(ports[0], QWEN)
         removed = httpx.delete(f"http://127.0.0.1:{ports[1]}/v1/models/{QWEN}", timeout=60)
         assert removed.status_code == 200 and removed.json()["action"] == "removed"
-        gone = httpx.post(f"http://127.0.0.1:{ports[0]}/v1/chat/completions",
-                          json={"model": QWEN, "messages": PARIS_MESSAGES})
+        gone = httpx.post(
+            f"http://127.0.0.1:{ports[0]}/v1/chat/completions", json={"model": QWEN, "messages": PARIS_MESSAGES}
+        )
         assert gone.status_code == 404 and gone.json()["error"]["type"] == "model_not_found"
     finally:
         for proc in reversed(procs):

@@ -23,7 +23,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from models_registry.quotas import secs_to_midnight
 from tests.conftest import PARIS_MESSAGES
-from tests.e2e.conftest import POSTGRES_ADMIN_URL, Proc, base_env, free_port, run_manage, start, wait_ready, write_config
+from tests.e2e.conftest import (
+    POSTGRES_ADMIN_URL,
+    Proc,
+    base_env,
+    free_port,
+    run_manage,
+    start,
+    wait_ready,
+    write_config,
+)
 
 pytestmark = pytest.mark.e2e
 URL = "/v1/chat/completions"
@@ -31,29 +40,34 @@ ADMIN = "sk-e2e-admin"
 KEYS = {"conc": "sk-e2e-conc", "rpm": "sk-e2e-rpm", "tpd": "sk-e2e-tpd", "plain": "sk-e2e-plain"}
 KEYS_TOML = f"""
 [[server.keys]]
-key = "{KEYS['conc']}"
+key = "{KEYS["conc"]}"
 label = "conc"
 max_concurrent = 2
 
 [[server.keys]]
-key = "{KEYS['rpm']}"
+key = "{KEYS["rpm"]}"
 label = "rpm"
 requests_per_minute = 5
 
 [[server.keys]]
-key = "{KEYS['tpd']}"
+key = "{KEYS["tpd"]}"
 label = "tpd"
 tokens_per_day = 1
 
 [[server.keys]]
-key = "{KEYS['plain']}"
+key = "{KEYS["plain"]}"
 label = "plain"
 """
 SHORT = {"model": "smollm2-135m", "messages": PARIS_MESSAGES, "max_tokens": 2, "temperature": 0}
 # A long answer (2000 tokens, half a minute here): the admitted streams are still running, however
 # loaded the machine, until the test closes them.
-LONG = {"model": "smollm2-135m", "max_tokens": 2000, "temperature": 0, "stream": True,
-        "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}
+LONG = {
+    "model": "smollm2-135m",
+    "max_tokens": 2000,
+    "temperature": 0,
+    "stream": True,
+    "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+}
 
 
 @dataclass
@@ -100,9 +114,13 @@ def pair(tmp_path_factory, redis_url: str, postgres_url: str) -> Iterator[Pair]:
     database = _create_database()
     prefix = "hypnos-quotas-" + uuid.uuid4().hex[:8]
     env = base_env(
-        config, directory,
-        HYPNOS_DEPLOYMENT="distributed", HYPNOS_REDIS_URL=redis_url, HYPNOS_CHANNEL_PREFIX=prefix,
-        HYPNOS_DATABASE_URL=postgres_url.rpartition("/")[0] + "/" + database, HYPNOS_API_KEYS=ADMIN,
+        config,
+        directory,
+        HYPNOS_DEPLOYMENT="distributed",
+        HYPNOS_REDIS_URL=redis_url,
+        HYPNOS_CHANNEL_PREFIX=prefix,
+        HYPNOS_DATABASE_URL=postgres_url.rpartition("/")[0] + "/" + database,
+        HYPNOS_API_KEYS=ADMIN,
     )
     multiproc = directory / "prometheus"
     multiproc.mkdir()
@@ -148,8 +166,9 @@ def note(pair: Pair, key: str, response: httpx.Response, stream: bool, body: byt
     return call
 
 
-async def stream_held_open(client: httpx.AsyncClient, pair: Pair, i: int, statuses: list[int],
-                           release: asyncio.Event) -> Call:
+async def stream_held_open(
+    client: httpx.AsyncClient, pair: Pair, i: int, statuses: list[int], release: asyncio.Event
+) -> Call:
     """A long stream: a refusal is read whole, an admitted stream is held open until `release`
     and then closed by the client (which gives its permit back)."""
     async with client.stream("POST", pair.url(i) + URL, json=LONG, headers=headers("conc")) as response:
@@ -184,8 +203,9 @@ def test_max_concurrent_admits_exactly_two_of_ten_parallel_streams(pair):
     for i in range(2):
         deadline = time.monotonic() + 10
         while True:
-            with httpx.stream("POST", pair.url(i) + URL, json=SHORT | {"stream": True}, headers=headers("conc"),
-                              timeout=60) as response:
+            with httpx.stream(
+                "POST", pair.url(i) + URL, json=SHORT | {"stream": True}, headers=headers("conc"), timeout=60
+            ) as response:
                 call = note(pair, "conc", response, True, response.read())
             if call.status == 200 or time.monotonic() > deadline:
                 break
@@ -197,7 +217,8 @@ def test_requests_per_minute_is_exact_across_the_processes(pair):
     async def batch() -> list[tuple[httpx.Response, bytes]]:
         async with httpx.AsyncClient(timeout=60) as client:
             responses = await asyncio.gather(
-                *[client.post(pair.url(i) + URL, json=SHORT, headers=headers("rpm")) for i in range(8)])
+                *[client.post(pair.url(i) + URL, json=SHORT, headers=headers("rpm")) for i in range(8)]
+            )
             return [(r, r.content) for r in responses]
 
     answered = asyncio.run(batch())
@@ -209,8 +230,9 @@ def test_requests_per_minute_is_exact_across_the_processes(pair):
 
 
 def test_tokens_per_day_reached_is_a_429_until_midnight_utc(pair):
-    with httpx.stream("POST", pair.url(0) + URL, json=SHORT | {"stream": True}, headers=headers("tpd"),
-                      timeout=60) as response:
+    with httpx.stream(
+        "POST", pair.url(0) + URL, json=SHORT | {"stream": True}, headers=headers("tpd"), timeout=60
+    ) as response:
         assert response.status_code == 200
         note(pair, "tpd", response, True, response.read())
     # The stream was charged when it ended: the other process refuses the key's next call.
@@ -218,7 +240,10 @@ def test_tokens_per_day_reached_is_a_429_until_midnight_utc(pair):
         refused = httpx.post(pair.url(i) + URL, json=SHORT, headers=headers("tpd"), timeout=60)
         note(pair, "tpd", refused, False, refused.content)
         assert refused.status_code == 429
-        assert refused.json()["error"] == refused.json()["error"] | {"type": "rate_limit_error", "code": "tokens_per_day"}
+        assert refused.json()["error"] == refused.json()["error"] | {
+            "type": "rate_limit_error",
+            "code": "tokens_per_day",
+        }
         assert abs(int(refused.headers["Retry-After"]) - secs_to_midnight(time.time())) <= 5
 
 
@@ -248,7 +273,9 @@ def test_every_call_appears_exactly_once_in_the_log(pair):
         assert (record["status"], record["key"], record["stream"]) == (call.status, call.key, call.stream)
         if call.usage:
             assert (record["tokens_in"], record["tokens_out"]) == (
-                call.usage["prompt_tokens"], call.usage["completion_tokens"])
+                call.usage["prompt_tokens"],
+                call.usage["completion_tokens"],
+            )
         else:
             assert record["tokens_in"] is None and record["error"]
     assert not any(key in str(first) for key in KEYS.values())

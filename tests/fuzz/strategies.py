@@ -34,8 +34,11 @@ ALIASES = ("gpt-4o-mini", "text-embedding-3-small", "whisper-1", "tts-1")
 
 SHORT_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
 WORDS = st.sampled_from(["Hi", "Hello there.", "Say yes.", "Paris?", "one two", "OK"])
-model_names = st.one_of(st.sampled_from(SERVED + ALIASES), st.sampled_from(["", "nope", "SMOLLM2-135M",
-                        "smollm2-135m ", "../etc/passwd", "a" * 300]), SHORT_TEXT)
+model_names = st.one_of(
+    st.sampled_from(SERVED + ALIASES),
+    st.sampled_from(["", "nope", "SMOLLM2-135M", "smollm2-135m ", "../etc/passwd", "a" * 300]),
+    SHORT_TEXT,
+)
 
 
 # -- media ------------------------------------------------------------------------------------
@@ -69,23 +72,40 @@ def _png_claiming(width: int, height: int) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(
-        b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    )
 
 
 WAV = _wav()
 PNG = _png()
 # A RIFF header that claims a 4 GB data chunk and a 4 GHz rate over a few real bytes.
-WAV_CLAIMING_HUGE = (b"RIFF" + struct.pack("<I", 0xFFFFFFF0) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 1, 1,
-                     4_000_000_000, 4_000_000_000, 2, 16) + b"data" + struct.pack("<I", 0xFFFFFFF0) + b"\0" * 64)
+WAV_CLAIMING_HUGE = (
+    b"RIFF"
+    + struct.pack("<I", 0xFFFFFFF0)
+    + b"WAVEfmt "
+    + struct.pack("<IHHIIHH", 16, 1, 1, 4_000_000_000, 4_000_000_000, 2, 16)
+    + b"data"
+    + struct.pack("<I", 0xFFFFFFF0)
+    + b"\0" * 64
+)
 
 audio_bytes = st.one_of(
-    st.just(WAV), st.just(_wav(0.2, tone=False)), st.just(WAV[:44]), st.just(WAV[: len(WAV) // 2]),
-    st.just(WAV_CLAIMING_HUGE), st.just(b""), st.just(b"ID3\x04\0\0\0\0\0\0" + b"\xff\xfb" * 20),
-    st.binary(max_size=64), st.builds(lambda b: WAV[:44] + b, st.binary(max_size=200)),
+    st.just(WAV),
+    st.just(_wav(0.2, tone=False)),
+    st.just(WAV[:44]),
+    st.just(WAV[: len(WAV) // 2]),
+    st.just(WAV_CLAIMING_HUGE),
+    st.just(b""),
+    st.just(b"ID3\x04\0\0\0\0\0\0" + b"\xff\xfb" * 20),
+    st.binary(max_size=64),
+    st.builds(lambda b: WAV[:44] + b, st.binary(max_size=200)),
 )
 image_bytes = st.one_of(
-    st.just(PNG), st.just(PNG[:20]), st.just(_png_claiming(60000, 60000)), st.just(b"GIF89a"),
+    st.just(PNG),
+    st.just(PNG[:20]),
+    st.just(_png_claiming(60000, 60000)),
+    st.just(b"GIF89a"),
     st.binary(max_size=64),
 )
 
@@ -95,17 +115,45 @@ def _data_url(mime: str, data: bytes) -> str:
 
 
 # Hosts that need no DNS (this machine has no resolver to the outside), private and public.
-URL_HOSTS = ["127.0.0.1", "[::1]", "[::ffff:127.0.0.1]", "10.1.2.3", "169.254.169.254", "0.0.0.0", "localhost",
-             "[fe80::1%25lo]", "[::]", "8.8.8.8:1", "[2001:db8::1]", "256.1.1.1", "[::1", ""]
+URL_HOSTS = [
+    "127.0.0.1",
+    "[::1]",
+    "[::ffff:127.0.0.1]",
+    "10.1.2.3",
+    "169.254.169.254",
+    "0.0.0.0",
+    "localhost",
+    "[fe80::1%25lo]",
+    "[::]",
+    "8.8.8.8:1",
+    "[2001:db8::1]",
+    "256.1.1.1",
+    "[::1",
+    "",
+]
 image_urls = st.one_of(
     st.builds(_data_url, st.sampled_from(["image/png", "image/jpeg", "text/plain", ""]), image_bytes),
-    st.sampled_from(["data:", "data:image/png;base64,!!!", "data:image/png,raw", "ftp://x/y.png", "file:///etc/passwd",
-                     "", "not a url"]),
-    st.builds(lambda scheme, host, path: f"{scheme}://{host}/{path}", st.sampled_from(["http", "https", "HTTP"]),
-              st.sampled_from(URL_HOSTS), st.sampled_from(["a.png", "", "%00", "x" * 50])),
+    st.sampled_from(
+        [
+            "data:",
+            "data:image/png;base64,!!!",
+            "data:image/png,raw",
+            "ftp://x/y.png",
+            "file:///etc/passwd",
+            "",
+            "not a url",
+        ]
+    ),
+    st.builds(
+        lambda scheme, host, path: f"{scheme}://{host}/{path}",
+        st.sampled_from(["http", "https", "HTTP"]),
+        st.sampled_from(URL_HOSTS),
+        st.sampled_from(["a.png", "", "%00", "x" * 50]),
+    ),
 )
-input_audio_data = st.one_of(st.builds(lambda b: base64.b64encode(b).decode(), audio_bytes),
-                             st.sampled_from(["", "!!!!", "AAAA", "=" * 9]))
+input_audio_data = st.one_of(
+    st.builds(lambda b: base64.b64encode(b).decode(), audio_bytes), st.sampled_from(["", "!!!!", "AAAA", "=" * 9])
+)
 
 
 # -- JSON schemas (response_format, tools, text.format) ---------------------------------------
@@ -115,18 +163,27 @@ input_audio_data = st.one_of(st.builds(lambda b: base64.b64encode(b).decode(), a
 # (inference/grammar_limits.py) refused them; those must now be 400s.
 SCHEMA_BOUND_LIMIT = 100
 SCHEMA_BOUND_KEYS = ("minLength", "maxLength", "minItems", "maxItems")
-_bound = st.one_of(st.integers(0, SCHEMA_BOUND_LIMIT),
-                   st.sampled_from([1000, 1001, 2000, 5000, 10_000_000, 30_000_000, 1_000_000_000]))
+_bound = st.one_of(
+    st.integers(0, SCHEMA_BOUND_LIMIT), st.sampled_from([1000, 1001, 2000, 5000, 10_000_000, 30_000_000, 1_000_000_000])
+)
 
 
 def _schema_leaf() -> st.SearchStrategy[dict[str, Any]]:
     return st.one_of(
-        st.fixed_dictionaries({"type": st.just("string")}, optional={"minLength": _bound, "maxLength": _bound,
-                                                                       "enum": st.lists(WORDS, max_size=3),
-                                                                       "pattern": st.sampled_from(["^a+$", "[", ".*"]),
-                                                                       "format": st.sampled_from(["date", "email"])}),
-        st.fixed_dictionaries({"type": st.sampled_from(["integer", "number"])},
-                              optional={"minimum": st.integers(-10, 10), "maximum": st.integers(-10, 10)}),
+        st.fixed_dictionaries(
+            {"type": st.just("string")},
+            optional={
+                "minLength": _bound,
+                "maxLength": _bound,
+                "enum": st.lists(WORDS, max_size=3),
+                "pattern": st.sampled_from(["^a+$", "[", ".*"]),
+                "format": st.sampled_from(["date", "email"]),
+            },
+        ),
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["integer", "number"])},
+            optional={"minimum": st.integers(-10, 10), "maximum": st.integers(-10, 10)},
+        ),
         st.fixed_dictionaries({"type": st.sampled_from(["boolean", "null", "nope", ""])}),
         st.fixed_dictionaries({"const": st.one_of(st.integers(-3, 3), WORDS)}),
         st.just({}),
@@ -137,10 +194,14 @@ def _schema_leaf() -> st.SearchStrategy[dict[str, Any]]:
 def _schema_node(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[dict[str, Any]]:
     names = st.sampled_from(["a", "b", "name", "city", "", "x y", "\u00e9"])
     return st.one_of(
-        st.builds(lambda props, req: {"type": "object", "properties": props, "required": req},
-                  st.dictionaries(names, children, max_size=3), st.lists(names, max_size=2)),
-        st.fixed_dictionaries({"type": st.just("array"), "items": children},
-                              optional={"minItems": _bound, "maxItems": _bound}),
+        st.builds(
+            lambda props, req: {"type": "object", "properties": props, "required": req},
+            st.dictionaries(names, children, max_size=3),
+            st.lists(names, max_size=2),
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("array"), "items": children}, optional={"minItems": _bound, "maxItems": _bound}
+        ),
         st.builds(lambda opts: {"anyOf": opts}, st.lists(children, max_size=3)),
         st.builds(lambda opts: {"oneOf": opts}, st.lists(children, min_size=1, max_size=2)),
     )
@@ -152,40 +213,85 @@ json_schemas = st.recursive(_schema_leaf(), _schema_node, max_leaves=6)
 # -- bodies from the wire models ----------------------------------------------------------------
 
 JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(-5, 5), SHORT_TEXT)
-small_json = st.recursive(JSON_SCALARS, lambda c: st.one_of(st.lists(c, max_size=3),
-                                                           st.dictionaries(SHORT_TEXT, c, max_size=3)), max_leaves=5)
+small_json = st.recursive(
+    JSON_SCALARS, lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(SHORT_TEXT, c, max_size=3)), max_leaves=5
+)
 
 content_parts = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": WORDS}),
-    st.fixed_dictionaries({"type": st.just("image_url"),
-                           "image_url": st.fixed_dictionaries({"url": image_urls},
-                                                              optional={"detail": st.sampled_from(["auto", "low"])})}),
-    st.fixed_dictionaries({"type": st.just("input_audio"), "input_audio": st.fixed_dictionaries(
-        {"data": input_audio_data}, optional={"format": st.sampled_from(["wav", "mp3", "x"])})}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("image_url"),
+            "image_url": st.fixed_dictionaries(
+                {"url": image_urls}, optional={"detail": st.sampled_from(["auto", "low"])}
+            ),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("input_audio"),
+            "input_audio": st.fixed_dictionaries(
+                {"data": input_audio_data}, optional={"format": st.sampled_from(["wav", "mp3", "x"])}
+            ),
+        }
+    ),
 )
-tool_calls = st.lists(st.fixed_dictionaries({"id": st.sampled_from(["call_1", "OK"]), "type": st.just("function"),
-                                             "function": st.fixed_dictionaries({
-                                                 "name": st.just("get_weather"),
-                                                 "arguments": st.sampled_from(['{"city": "Paris"}', "{", ""])})}),
-                      max_size=1)
+tool_calls = st.lists(
+    st.fixed_dictionaries(
+        {
+            "id": st.sampled_from(["call_1", "OK"]),
+            "type": st.just("function"),
+            "function": st.fixed_dictionaries(
+                {"name": st.just("get_weather"), "arguments": st.sampled_from(['{"city": "Paris"}', "{", ""])}
+            ),
+        }
+    ),
+    max_size=1,
+)
 chat_messages = st.lists(
     st.fixed_dictionaries(
         {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"])},
-        optional={"content": st.one_of(WORDS, st.none(), st.lists(content_parts, max_size=2)), "name": WORDS,
-                  "tool_call_id": WORDS, "tool_calls": tool_calls},
-    ), min_size=1, max_size=3,
+        optional={
+            "content": st.one_of(WORDS, st.none(), st.lists(content_parts, max_size=2)),
+            "name": WORDS,
+            "tool_call_id": WORDS,
+            "tool_calls": tool_calls,
+        },
+    ),
+    min_size=1,
+    max_size=3,
 )
-responses_items = st.lists(st.one_of(
-    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "developer"]),
-                           "content": st.one_of(WORDS, st.lists(st.fixed_dictionaries(
-                               {"type": st.sampled_from(["input_text", "output_text", "input_image"]), "text": WORDS}),
-                               max_size=2))}),
-    st.fixed_dictionaries({"type": st.just("message"), "role": st.just("user"), "content": WORDS}),
-    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": WORDS, "name": st.just("get_weather"),
-                           "arguments": st.sampled_from(['{"city": "Paris"}', "{"])}),
-    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": WORDS, "output": WORDS}),
-    small_json,
-), min_size=1, max_size=3)
+responses_items = st.lists(
+    st.one_of(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "system", "assistant", "developer"]),
+                "content": st.one_of(
+                    WORDS,
+                    st.lists(
+                        st.fixed_dictionaries(
+                            {"type": st.sampled_from(["input_text", "output_text", "input_image"]), "text": WORDS}
+                        ),
+                        max_size=2,
+                    ),
+                ),
+            }
+        ),
+        st.fixed_dictionaries({"type": st.just("message"), "role": st.just("user"), "content": WORDS}),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function_call"),
+                "call_id": WORDS,
+                "name": st.just("get_weather"),
+                "arguments": st.sampled_from(['{"city": "Paris"}', "{"]),
+            }
+        ),
+        st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": WORDS, "output": WORDS}),
+        small_json,
+    ),
+    min_size=1,
+    max_size=3,
+)
 
 # Field values that keep a valid body cheap to serve (tiny token counts, short texts, served
 # models); every other field is drawn from its annotation and constraints.
@@ -219,8 +325,9 @@ MODEL_FIELD_OVERRIDES: dict[str, st.SearchStrategy[Any]] = {
     "ResponsesRequest.input": st.one_of(WORDS, responses_items),
     "SpeechRequest.input": WORDS,
     "EmbeddingRequest.input": st.one_of(WORDS, st.lists(WORDS, max_size=3), st.just(""), st.just([])),
-    "ResponsesRequest.tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]),
-                                              st.just({"type": "function", "name": "get_weather"}), small_json),
+    "ResponsesRequest.tool_choice": st.one_of(
+        st.sampled_from(["none", "auto", "required"]), st.just({"type": "function", "name": "get_weather"}), small_json
+    ),
 }
 
 
@@ -259,14 +366,23 @@ def for_annotation(annotation: Any, metadata: list[Any] | None = None) -> st.Sea
         return st.integers(low, bounds.get("le", bounds["lt"] - 1 if "lt" in bounds else low + 100))
     if annotation is float:
         low = bounds.get("ge", bounds.get("gt", -5.0))
-        return st.floats(low, bounds.get("le", bounds.get("lt", low + 10.0)), exclude_min="gt" in bounds,
-                         exclude_max="lt" in bounds, allow_nan=False)
+        return st.floats(
+            low,
+            bounds.get("le", bounds.get("lt", low + 10.0)),
+            exclude_min="gt" in bounds,
+            exclude_max="lt" in bounds,
+            allow_nan=False,
+        )
     if annotation is str:
         if "pattern" in bounds:
             return st.from_regex(bounds["pattern"], fullmatch=True).filter(
-                lambda s: bounds.get("min_length", 0) <= len(s) <= bounds.get("max_length", 10**6))
-        return st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)),
-                       min_size=bounds.get("min_length", 0), max_size=min(bounds.get("max_length", 12), 12))
+                lambda s: bounds.get("min_length", 0) <= len(s) <= bounds.get("max_length", 10**6)
+            )
+        return st.text(
+            st.characters(codec="utf-8", exclude_categories=("Cs",)),
+            min_size=bounds.get("min_length", 0),
+            max_size=min(bounds.get("max_length", 12), 12),
+        )
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return wire_body(annotation)
     return small_json  # Any
@@ -290,15 +406,51 @@ def wire_body(model: type[BaseModel]) -> st.SearchStrategy[dict[str, Any]]:
 # -- mutations ------------------------------------------------------------------------------------
 
 LONE_SURROGATES = ("\ud800", "\udfff", "a\udc00b")
-NASTY_STRINGS = ("", " ", "\x00", "a\x00b", "\n\r\t", "\u202e\u0301", "\U0001f600" * 3, "\ufeff", "\uffff",
-                 "null", "1e999", "-1", "<__media__>", "{{", "%s%n", "\\u0000", *LONE_SURROGATES)
-NASTY_NUMBERS = (0, -1, 2**31, 2**63, -(2**63) - 1, 10**30, -(10**30), 10**400, 1e308, -1e308, 5e-324, -0.0, 0.5,
-                 float("nan"), float("inf"), float("-inf"))
+NASTY_STRINGS = (
+    "",
+    " ",
+    "\x00",
+    "a\x00b",
+    "\n\r\t",
+    "\u202e\u0301",
+    "\U0001f600" * 3,
+    "\ufeff",
+    "\uffff",
+    "null",
+    "1e999",
+    "-1",
+    "<__media__>",
+    "{{",
+    "%s%n",
+    "\\u0000",
+    *LONE_SURROGATES,
+)
+NASTY_NUMBERS = (
+    0,
+    -1,
+    2**31,
+    2**63,
+    -(2**63) - 1,
+    10**30,
+    -(10**30),
+    10**400,
+    1e308,
+    -1e308,
+    5e-324,
+    -0.0,
+    0.5,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+)
 nasty_values = st.one_of(
-    st.sampled_from(NASTY_STRINGS), st.sampled_from(NASTY_NUMBERS), st.sampled_from([None, True, False]),
+    st.sampled_from(NASTY_STRINGS),
+    st.sampled_from(NASTY_NUMBERS),
+    st.sampled_from([None, True, False]),
     st.sampled_from([[], {}, [[]], {"": None}, [None], {"type": None}]),
     st.text(max_size=8),  # any code point, lone surrogates included
-    st.integers(), st.floats(),
+    st.integers(),
+    st.floats(),
 )
 
 
@@ -395,8 +547,11 @@ def mutated(draw: st.DrawFn, body: Any, max_mutations: int = 3) -> Any:
         elif op == "delete" and path:
             body = _delete(body, path)
         elif op == "extra" and isinstance(target, dict):
-            body = _replace(body, path, {**target, draw(st.sampled_from(["extra", "", "\x00", "model", "__proto__"])):
-                                         draw(nasty_values)})
+            body = _replace(
+                body,
+                path,
+                {**target, draw(st.sampled_from(["extra", "", "\x00", "model", "__proto__"])): draw(nasty_values)},
+            )
         elif op == "huge":
             size = draw(st.sampled_from([401, 5000, 70000]))
             body = _replace(body, path, draw(st.sampled_from(["x", "\u00e9", "\U0001f600 "])) * size)
@@ -438,16 +593,45 @@ def encode_json(value: Any, flavour: str) -> bytes:
 
 
 JSON_FLAVOURS = st.sampled_from(["plain"] * 10 + ["raw_utf8", "bom", "truncated", "trailing", "latin1"])
-JSON_TYPES = st.sampled_from(["application/json"] * 12 + [
-    "application/json; charset=utf-8", "application/json; charset=latin-1", "application/json; charset=utf-16",
-    "APPLICATION/JSON", "text/plain", "application/x-www-form-urlencoded", "application/xml", "",
-    "multipart/form-data", "multipart/form-data; boundary=", "application/octet-stream", "application/json;;;",
-    "\x7f/\x7f",
-])
+JSON_TYPES = st.sampled_from(
+    ["application/json"] * 12
+    + [
+        "application/json; charset=utf-8",
+        "application/json; charset=latin-1",
+        "application/json; charset=utf-16",
+        "APPLICATION/JSON",
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "application/xml",
+        "",
+        "multipart/form-data",
+        "multipart/form-data; boundary=",
+        "application/octet-stream",
+        "application/json;;;",
+        "\x7f/\x7f",
+    ]
+)
 garbage_bodies = st.one_of(
-    st.binary(max_size=256), st.text(max_size=64).map(lambda t: t.encode("utf-8", "surrogatepass")),
-    st.sampled_from([b"", b"null", b"[]", b"1", b'"x"', b"{", b"{}", b'{"a":1,"a":2}', b"NaN", b"\xff\xfe{\x00}\x00",
-                     b"[" * 5000, b'{"a":' * 5000, b"\x00" * 64, b'{"model": "\\ud800"}']),
+    st.binary(max_size=256),
+    st.text(max_size=64).map(lambda t: t.encode("utf-8", "surrogatepass")),
+    st.sampled_from(
+        [
+            b"",
+            b"null",
+            b"[]",
+            b"1",
+            b'"x"',
+            b"{",
+            b"{}",
+            b'{"a":1,"a":2}',
+            b"NaN",
+            b"\xff\xfe{\x00}\x00",
+            b"[" * 5000,
+            b'{"a":' * 5000,
+            b"\x00" * 64,
+            b'{"model": "\\ud800"}',
+        ]
+    ),
 )
 
 
@@ -467,17 +651,31 @@ def multipart(parts: list[tuple[str, str | None, bytes]], boundary: str = "fuzzB
 def transcription_upload(draw: st.DrawFn) -> tuple[bytes, str]:
     """A multipart transcription upload (what the SDKs send), mutated: no file part, no
     filename, odd fields, a wrong or missing boundary, a truncated body."""
-    fields = draw(mutated(draw(st.fixed_dictionaries(
-        {"model": model_names},
-        optional={"language": FIELD_OVERRIDES["language"], "prompt": WORDS, "temperature": st.sampled_from(
-            ["0", "0.5", "2", "-1", "hot", "nan", "1e999"]), "response_format": st.sampled_from(
-            ["json", "text", "verbose_json", "srt", "vtt", "xml", ""]),
-            "timestamp_granularities[]": st.sampled_from(["word", "segment", "char"])})), max_mutations=1))
-    parts = [(str(k), None, v.encode("utf-8", "surrogatepass") if isinstance(v, str) else encode_json(v, "plain"))
-             for k, v in (fields.items() if isinstance(fields, dict) else [])]
+    fields = draw(
+        mutated(
+            draw(
+                st.fixed_dictionaries(
+                    {"model": model_names},
+                    optional={
+                        "language": FIELD_OVERRIDES["language"],
+                        "prompt": WORDS,
+                        "temperature": st.sampled_from(["0", "0.5", "2", "-1", "hot", "nan", "1e999"]),
+                        "response_format": st.sampled_from(["json", "text", "verbose_json", "srt", "vtt", "xml", ""]),
+                        "timestamp_granularities[]": st.sampled_from(["word", "segment", "char"]),
+                    },
+                )
+            ),
+            max_mutations=1,
+        )
+    )
+    parts = [
+        (str(k), None, v.encode("utf-8", "surrogatepass") if isinstance(v, str) else encode_json(v, "plain"))
+        for k, v in (fields.items() if isinstance(fields, dict) else [])
+    ]
     if draw(st.integers(0, 9)):
-        parts.append(("file", draw(st.sampled_from(["speech.wav", "", "a\x00.wav", "../x.mp3", None])),
-                      draw(audio_bytes)))
+        parts.append(
+            ("file", draw(st.sampled_from(["speech.wav", "", "a\x00.wav", "../x.mp3", None])), draw(audio_bytes))
+        )
     parts = draw(st.permutations(parts))
     body = multipart(parts)
     shape = draw(st.sampled_from(["ok"] * 8 + ["no_boundary", "wrong_boundary", "truncated", "empty"]))
@@ -494,17 +692,59 @@ def transcription_upload(draw: st.DrawFn) -> tuple[bytes, str]:
 
 
 HEADER_VALUES = st.one_of(
-    st.sampled_from(["", " ", "0", "-1", "1e309", "abc", "999999999999999999999", "nan", "true", "x" * 8000,
-                     "smollm2-135m", "piper-joe", "voice/1", "\t"]),
-    st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=16),
+    st.sampled_from(
+        [
+            "",
+            " ",
+            "0",
+            "-1",
+            "1e309",
+            "abc",
+            "999999999999999999999",
+            "nan",
+            "true",
+            "x" * 8000,
+            "smollm2-135m",
+            "piper-joe",
+            "voice/1",
+            "\t",
+        ]
+    ),
+    st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=16),
 )
-AUTHORIZATIONS = st.sampled_from([f"Bearer {ADMIN_KEY}"] * 40 + [
-    None, f"bearer   {ADMIN_KEY} ", f"Bearer {USER_KEY}", f"Bearer {USER_KEY}", "", "Bearer", "Bearer ", "Basic YTpi",
-    "Bearer sk-wrong", f"Token {ADMIN_KEY}", f"Bearer {ADMIN_KEY}\x00", "Bearer " + "k" * 4000,
-])
-ODD_HEADERS = ["x-hypnos-deadline-ms", "x-hypnos-next-model", "x-hypnos-workflow", "x-hypnos-workflow-end",
-               "accept", "accept-encoding", "content-encoding", "origin", "x-request-id", "range", "expect",
-               "x-forwarded-for", "cookie", "access-control-request-method"]
+AUTHORIZATIONS = st.sampled_from(
+    [f"Bearer {ADMIN_KEY}"] * 40
+    + [
+        None,
+        f"bearer   {ADMIN_KEY} ",
+        f"Bearer {USER_KEY}",
+        f"Bearer {USER_KEY}",
+        "",
+        "Bearer",
+        "Bearer ",
+        "Basic YTpi",
+        "Bearer sk-wrong",
+        f"Token {ADMIN_KEY}",
+        f"Bearer {ADMIN_KEY}\x00",
+        "Bearer " + "k" * 4000,
+    ]
+)
+ODD_HEADERS = [
+    "x-hypnos-deadline-ms",
+    "x-hypnos-next-model",
+    "x-hypnos-workflow",
+    "x-hypnos-workflow-end",
+    "accept",
+    "accept-encoding",
+    "content-encoding",
+    "origin",
+    "x-request-id",
+    "range",
+    "expect",
+    "x-forwarded-for",
+    "cookie",
+    "access-control-request-method",
+]
 
 
 @st.composite
@@ -524,13 +764,19 @@ def path_segment(raw: str) -> str:
     return quote(raw.encode("utf-8", "surrogatepass"), safe="")
 
 
-path_ids = st.one_of(st.sampled_from(SERVED + ALIASES), st.sampled_from(["nope", "%00", "%ff", "..", "a/b", "x" * 300]),
-                     SHORT_TEXT.filter(bool).map(path_segment))
+path_ids = st.one_of(
+    st.sampled_from(SERVED + ALIASES),
+    st.sampled_from(["nope", "%00", "%ff", "..", "a/b", "x" * 300]),
+    SHORT_TEXT.filter(bool).map(path_segment),
+)
 query_strings = st.one_of(
     st.just(""),
-    st.builds(lambda k, v: f"?{k}={v}", st.sampled_from(["modality", "limit", "status", "model", "route", "key",
-                                                          "drain_secs", "x", ""]),
-              st.sampled_from(["", "1", "-1", "abc", "1e309", "nan", "%00", "%ff", "text_generation", "5xx", "x" * 500,
-                               "120", "3601"])),
+    st.builds(
+        lambda k, v: f"?{k}={v}",
+        st.sampled_from(["modality", "limit", "status", "model", "route", "key", "drain_secs", "x", ""]),
+        st.sampled_from(
+            ["", "1", "-1", "abc", "1e309", "nan", "%00", "%ff", "text_generation", "5xx", "x" * 500, "120", "3601"]
+        ),
+    ),
     st.sampled_from(["?", "?&&", "?a=1&a=2", "?%zz", "?limit"]),
 )

@@ -58,8 +58,12 @@ REQUEST_TIMEOUT_SECS = 60.0
 METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
 # Reproducible in CI: the same examples every run (derandomize), no example database.
 CI_SETTINGS = hypothesis_settings(
-    derandomize=True, deadline=None, database=None, phases=[Phase.generate],
-    suppress_health_check=list(HealthCheck), print_blob=False,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    phases=[Phase.generate],
+    suppress_health_check=list(HealthCheck),
+    print_blob=False,
 )
 REQUEST_ID = re.compile(r"^req-[0-9a-f]{32}$")
 ENVELOPE_KEYS = {"message", "type", "param", "code"}
@@ -82,8 +86,10 @@ class Case:
 
     def describe(self, limit: int = 600) -> str:
         body = self.body if len(self.body) <= limit else self.body[:limit] + b"...(%d bytes)" % len(self.body)
-        return (f"{self.method} {self.path[:200]} [{self.shape}] content-type={self.content_type!r} "
-                f"headers={ {k: v[:60] for k, v in self.headers.items()} } body={body!r}")
+        return (
+            f"{self.method} {self.path[:200]} [{self.shape}] content-type={self.content_type!r} "
+            f"headers={ {k: v[:60] for k, v in self.headers.items()} } body={body!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -103,24 +109,56 @@ def _model_path(suffix: str, ids: st.SearchStrategy[str] = fz.path_ids) -> st.Se
 # the fuzz run keeps the models the other routes need.
 victim_ids = st.sampled_from([fz.VICTIM, fz.VICTIM, "nope", "%00", fz.path_segment("\u00e9")])
 pool_body = st.one_of(
-    st.fixed_dictionaries({}, optional={"catalog": st.one_of(st.sampled_from(
-        ["smollm2-135m", "qwen2.5-coder-1.5b:q4_k_m", "nope:q1", ":", ""]), fz.SHORT_TEXT),
-        "config": st.one_of(st.sampled_from([
-            '[[models]]\nid = "fuzz-added"\nmodality = "text_generation"\nengine = "ggml_llama"\n'
-            'weights_path = "SmolLM2-135M-Instruct.Q4_1.gguf"\ncontext_len = 512\n',
-            'id = "x"', "[[models]]", "not toml = = =", "", '[[models]]\nid = "\\u0000"\n']), fz.SHORT_TEXT),
-        "drain_secs": st.sampled_from([0, 1, -1, 3601, "x", None])}),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "catalog": st.one_of(
+                st.sampled_from(["smollm2-135m", "qwen2.5-coder-1.5b:q4_k_m", "nope:q1", ":", ""]), fz.SHORT_TEXT
+            ),
+            "config": st.one_of(
+                st.sampled_from(
+                    [
+                        '[[models]]\nid = "fuzz-added"\nmodality = "text_generation"\nengine = "ggml_llama"\n'
+                        'weights_path = "SmolLM2-135M-Instruct.Q4_1.gguf"\ncontext_len = 512\n',
+                        'id = "x"',
+                        "[[models]]",
+                        "not toml = = =",
+                        "",
+                        '[[models]]\nid = "\\u0000"\n',
+                    ]
+                ),
+                fz.SHORT_TEXT,
+            ),
+            "drain_secs": st.sampled_from([0, 1, -1, 3601, "x", None]),
+        },
+    ),
 )
-options_body = st.fixed_dictionaries({}, optional={
-    "temperature": st.floats(0, 2), "top_k": st.integers(0, 50), "max_tokens": st.integers(1, 3),
-    "priority": st.sampled_from(["low", "normal", "high", "realtime_pinned", "top"]),
-    "initial_tier": st.sampled_from(["tier2_pinned_ram", "tier3_nvme_ssd", "tier9"]),
-    "context_len": st.sampled_from([256, 512, 100]), "slots": st.sampled_from([1, 2, 0]),
-    "dry_run": st.booleans(), "drain_secs": st.sampled_from([0, 1, "x"]), "nope": st.none()})
-lemonade_body = st.fixed_dictionaries({}, optional={"model_name": fz.model_names, "model": fz.model_names,
-                                                    "ctx_size": st.sampled_from([256, 2048, 1, -1, "x"])})
+options_body = st.fixed_dictionaries(
+    {},
+    optional={
+        "temperature": st.floats(0, 2),
+        "top_k": st.integers(0, 50),
+        "max_tokens": st.integers(1, 3),
+        "priority": st.sampled_from(["low", "normal", "high", "realtime_pinned", "top"]),
+        "initial_tier": st.sampled_from(["tier2_pinned_ram", "tier3_nvme_ssd", "tier9"]),
+        "context_len": st.sampled_from([256, 512, 100]),
+        "slots": st.sampled_from([1, 2, 0]),
+        "dry_run": st.booleans(),
+        "drain_secs": st.sampled_from([0, 1, "x"]),
+        "nope": st.none(),
+    },
+)
+lemonade_body = st.fixed_dictionaries(
+    {},
+    optional={
+        "model_name": fz.model_names,
+        "model": fz.model_names,
+        "ctx_size": st.sampled_from([256, 2048, 1, -1, "x"]),
+    },
+)
 transcription_json = fz.wire_body(TranscriptionRequest).flatmap(
-    lambda fields: st.builds(lambda audio: {**fields, "audio_bytes": list(audio)}, fz.audio_bytes))
+    lambda fields: st.builds(lambda audio: {**fields, "audio_bytes": list(audio)}, fz.audio_bytes)
+)
 log_ids = st.one_of(st.just("req-" + "0" * 32), fz.path_ids)
 
 V1_ROUTES = [
@@ -131,12 +169,20 @@ V1_ROUTES = [
     Route("models/catalog", ("GET",)),
     Route("advisor", ("POST",), fz.wire_body(AdvisorRequest), weight=2),
     Route("models/<path:model_id>/files", ("GET",), path=_model_path("/files")),
-    Route("models/<path:model_id>/options", ("GET", "POST", "DELETE"), options_body,
-          path=_model_path("/options", victim_ids)),
+    Route(
+        "models/<path:model_id>/options",
+        ("GET", "POST", "DELETE"),
+        options_body,
+        path=_model_path("/options", victim_ids),
+    ),
     Route("models/<path:model_id>/enable", ("POST",), path=_model_path("/enable", victim_ids)),
     Route("models/<path:model_id>/disable", ("POST",), path=_model_path("/disable", victim_ids)),
-    Route("models/<path:model_id>/moe-offload", ("POST",), fz.wire_body(MoeOffloadRequest),
-          path=_model_path("/moe-offload", victim_ids)),
+    Route(
+        "models/<path:model_id>/moe-offload",
+        ("POST",),
+        fz.wire_body(MoeOffloadRequest),
+        path=_model_path("/moe-offload", victim_ids),
+    ),
     Route("models/<path:model_id>", ("GET", "PUT", "DELETE"), pool_body, path=_model_path("", victim_ids)),
     Route("memory/status", ("GET",)),
     Route("memory/tier", ("POST",), fz.wire_body(MemoryTierRequest), weight=2),
@@ -144,11 +190,23 @@ V1_ROUTES = [
     Route("embeddings", ("POST",), fz.wire_body(EmbeddingRequest), weight=6),
     Route("audio/transcriptions", ("POST",), transcription_json, weight=6),
     Route("audio/speech", ("POST",), fz.wire_body(SpeechRequest), weight=6),
-    Route("^.*$", ("GET", "POST", "DELETE"), path=st.sampled_from(["no/such/route", "chat", "chat/completions/x",
-                                                                       "audio", "%00", "models/"])),
+    Route(
+        "^.*$",
+        ("GET", "POST", "DELETE"),
+        path=st.sampled_from(["no/such/route", "chat", "chat/completions/x", "audio", "%00", "models/"]),
+    ),
     Route("logs", ("GET", "DELETE")),
-    Route("logs/level", ("POST",), st.fixed_dictionaries({"level": st.one_of(st.sampled_from(
-        ["off", "error", "warn", "info", "debug", "trace", "loud", ""]), fz.nasty_values)})),
+    Route(
+        "logs/level",
+        ("POST",),
+        st.fixed_dictionaries(
+            {
+                "level": st.one_of(
+                    st.sampled_from(["off", "error", "warn", "info", "debug", "trace", "loud", ""]), fz.nasty_values
+                )
+            }
+        ),
+    ),
     Route("logs/<str:request_id>", ("GET",), path=log_ids.map(lambda i: f"logs/{i}")),
 ]
 ROUTES = [
@@ -163,8 +221,9 @@ ROUTES = [
     *[Route("v1/" + r.pattern, r.methods, r.body, r.path, r.weight) for r in V1_ROUTES],
     *[Route("api/v1/" + r.pattern, r.methods, r.body, r.path, max(r.weight // 3, 1)) for r in V1_ROUTES],
 ]
-UNKNOWN_TOP_LEVEL = Route("<top-level 404>", ("GET", "POST"), path=st.sampled_from(["", "nope", "v2/models", "v1",
-                                                                                       "static/x", "%ff"]))
+UNKNOWN_TOP_LEVEL = Route(
+    "<top-level 404>", ("GET", "POST"), path=st.sampled_from(["", "nope", "v2/models", "v1", "static/x", "%ff"])
+)
 FUZZED = [*ROUTES, UNKNOWN_TOP_LEVEL]
 # Cases per route: its weight times this (the inference routes have the most shapes to try).
 CASES_PER_WEIGHT = 12
@@ -321,8 +380,9 @@ async def send(api: AsyncClient, case: Case) -> Outcome:
     if case.content_type is not None:
         kwargs["content_type"] = case.content_type
     try:
-        response = await asyncio.wait_for(api.generic(case.method, case.path, data=case.body, **kwargs),
-                                          REQUEST_TIMEOUT_SECS)
+        response = await asyncio.wait_for(
+            api.generic(case.method, case.path, data=case.body, **kwargs), REQUEST_TIMEOUT_SECS
+        )
         if getattr(response, "streaming", False):
             chunks = []
 
@@ -390,10 +450,12 @@ class Report:
             (self.known_failing if name in showed else self.known_passing)[name] += 1
 
     def summary(self) -> str:
-        lines = [f"{sum(self.cases.values())} cases over {len(self.cases)} routes; statuses "
-                 f"{dict(sorted(self.statuses.items(), key=lambda kv: kv[0] or 0))}; "
-                 f"known open still failing {dict(self.known_failing)}; excluded {dict(self.excluded)}; slowest "
-                 f"routes (s) { {k: round(v, 1) for k, v in self.seconds.most_common(8)} }"]
+        lines = [
+            f"{sum(self.cases.values())} cases over {len(self.cases)} routes; statuses "
+            f"{dict(sorted(self.statuses.items(), key=lambda kv: kv[0] or 0))}; "
+            f"known open still failing {dict(self.known_failing)}; excluded {dict(self.excluded)}; slowest "
+            f"routes (s) { {k: round(v, 1) for k, v in self.seconds.most_common(8)} }"
+        ]
         for key, example in self.findings.items():
             lines.append(f"- {key[0]} -> {key[1]}: {key[2]} ({self.counts[key]}x), e.g. {example}")
         return "\n".join(lines)
@@ -403,8 +465,7 @@ def fuzz_config(settings_: Any) -> HypnosConfig:
     """The suite's config with what keeps the run cheap: tiny answers, short prompts, small
     uploads, the four media-and-chat models plus a victim copy of SmolLM2, and API keys (an
     admin and a plain one) so the authentication paths are fuzzed too."""
-    with_limits(settings_, max_tokens_cap=2, max_prompt_chars=400, max_audio_bytes=256 << 10,
-                max_image_bytes=64 << 10)
+    with_limits(settings_, max_tokens_cap=2, max_prompt_chars=400, max_audio_bytes=256 << 10, max_image_bytes=64 << 10)
     with_server(settings_, api_keys=[fz.ADMIN_KEY], keys=[KeyConfig(key=fz.USER_KEY, label="fuzz-user")])
     config: HypnosConfig = settings_.HYPNOS
     served = [m for m in config.models if m.id in fz.SERVED]
@@ -471,10 +532,12 @@ def test_fuzzed_requests_on_every_route_get_the_envelope_a_request_id_and_never_
     print(f"fuzzed in {elapsed:.0f} s: " + report.summary())
     for name in KNOWN_OPEN:
         if report.known_passing[name] and not report.known_failing[name]:
-            warnings.warn(f"KNOWN_OPEN {name!r}: {report.known_passing[name]} cases of its shape were sent and "
-                          "none showed its symptom; once its fix has landed, remove the entry", stacklevel=1)
+            warnings.warn(
+                f"KNOWN_OPEN {name!r}: {report.known_passing[name]} cases of its shape were sent and "
+                "none showed its symptom; once its fix has landed, remove the entry",
+                stacklevel=1,
+            )
     assert not report.findings, report.summary()
     assert sum(report.cases.values()) + sum(report.excluded.values()) >= 1000, report.summary()
     thin = {r.pattern: report.cases[r.pattern] for r in ROUTES if report.cases[r.pattern] < MIN_CASES_PER_ROUTE}
     assert not thin, f"routes fuzzed fewer than {MIN_CASES_PER_ROUTE} times: {thin}"
-

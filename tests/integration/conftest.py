@@ -87,7 +87,7 @@ async def read_sse(response: Any) -> list[Any]:
     events = []
     for block in raw.split("\n\n"):
         if block.startswith("data: "):
-            payload = block[len("data: "):]
+            payload = block[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
 

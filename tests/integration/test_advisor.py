@@ -85,9 +85,15 @@ def test_the_catalog_estimates_agree_with_the_gguf_headers(settings):
             fp = footprint_from_gguf(settings.HYPNOS.models_dir / variant.files[0].local)
             estimate = variant.estimate
             assert estimate is not None, f"{entry.id} has no estimate"
-            assert (estimate.num_layers, estimate.other_bytes, estimate.kv_bytes_per_token, estimate.workspace_bytes,
-                    estimate.trained_context_len) == (fp.n_layers, fp.other_bytes, fp.kv_bytes_per_token,
-                                                      fp.workspace_bytes, fp.trained_context_len), entry.id
+            assert (
+                estimate.num_layers,
+                estimate.other_bytes,
+                estimate.kv_bytes_per_token,
+                estimate.workspace_bytes,
+                estimate.trained_context_len,
+            ) == (fp.n_layers, fp.other_bytes, fp.kv_bytes_per_token, fp.workspace_bytes, fp.trained_context_len), (
+                entry.id
+            )
             checked += 1
     assert checked == 4
 
@@ -107,8 +113,10 @@ async def test_the_generated_config_starts_the_server_with_the_advised_models(ap
     body = (await post_json(api, "/v1/advisor", machine)).json()
     port = free_port()
     config = tmp_path / "hypnos.toml"
-    config.write_text(body["config"] + f'\n[server]\nport = {port}\ndata_dir = "{tmp_path}"\n'
-                      f'models_dir = "{settings.HYPNOS.models_dir}"\n')
+    config.write_text(
+        body["config"] + f'\n[server]\nport = {port}\ndata_dir = "{tmp_path}"\n'
+        f'models_dir = "{settings.HYPNOS.models_dir}"\n'
+    )
     env = base_env(config, tmp_path)
     run_manage(["migrate", "--no-input", "-v0"], env)
     server = start("advised", ["-m", "hypnos_site.serve"], env, tmp_path)

@@ -22,9 +22,11 @@ TTS, STT = "piper-joe", "whisper-tiny.en"
 # back exactly from Whisper tiny.en in 27 of 27 trials (the fox sentence only in 10 of 12).
 SENTENCE = "Hello world. The weather is nice today."
 # About 12 s of varied speech (repeating one sentence makes Whisper's repetition guard kick in).
-PARAGRAPH = ("Good morning. The weather is nice today. The cat sat on the mat. Please send the report to the "
-             "office before noon. We will meet again next week. The train leaves at seven in the evening. "
-             "Thank you for listening.")
+PARAGRAPH = (
+    "Good morning. The weather is nice today. The cat sat on the mat. Please send the report to the "
+    "office before noon. We will meet again next week. The train leaves at seven in the evening. "
+    "Thank you for listening."
+)
 WORDS = "hello world the weather is nice today"
 
 
@@ -93,10 +95,16 @@ async def test_a_wav_is_16_bit_mono_24_khz_with_the_telemetry_headers(api):
     assert "x-hypnos-switch-ms" in speech
 
 
-@pytest.mark.parametrize("fmt, content_type, magic", [
-    ("pcm", "audio/pcm", None), ("mp3", "audio/mpeg", b"ID3"), ("opus", "audio/ogg", b"OggS"),
-    ("flac", "audio/flac", b"fLaC"), ("aac", "audio/aac", b"\xff\xf1"),
-])
+@pytest.mark.parametrize(
+    "fmt, content_type, magic",
+    [
+        ("pcm", "audio/pcm", None),
+        ("mp3", "audio/mpeg", b"ID3"),
+        ("opus", "audio/ogg", b"OggS"),
+        ("flac", "audio/flac", b"fLaC"),
+        ("aac", "audio/aac", b"\xff\xf1"),
+    ],
+)
 async def test_every_format_decodes_to_the_samples_the_server_made(api, fmt, content_type, magic):
     speech = await speak(api, "Good morning.", response_format=fmt)
     assert speech["content-type"] == content_type
@@ -167,8 +175,11 @@ async def test_the_transcription_formats(api, spoken_wav):
     assert re.match(r"1\n00:00:00,000 --> 00:00:0\d,\d{3}\n", srt) and "today" in srt.lower()
     vtt = (await transcribe(api, audio, response_format="vtt")).content.decode()
     assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> ")
-    verbose = (await transcribe(api, audio, response_format="verbose_json",
-                                **{"timestamp_granularities[]": ["word", "segment"]})).json()
+    verbose = (
+        await transcribe(
+            api, audio, response_format="verbose_json", **{"timestamp_granularities[]": ["word", "segment"]}
+        )
+    ).json()
     assert verbose["task"] == "transcribe" and verbose["language"] == "english"
     assert verbose["segments"][0]["start"] == 0.0 and verbose["segments"][-1]["end"] > 1.5
     assert [w["word"].strip(" ,.").lower() for w in verbose["words"]][-2:] == ["nice", "today"]
@@ -177,8 +188,11 @@ async def test_the_transcription_formats(api, spoken_wav):
 
 async def test_json_audio_bytes_and_the_language_echo(api, spoken_wav):
     audio = spoken_wav.get("wav") or (await speak(api)).content
-    response = await post_json(api, "/v1/audio/transcriptions",
-                               {"model": "whisper-1", "audio_bytes": list(audio), "language": "en", "temperature": 0})
+    response = await post_json(
+        api,
+        "/v1/audio/transcriptions",
+        {"model": "whisper-1", "audio_bytes": list(audio), "language": "en", "temperature": 0},
+    )
     assert response.status_code == 200, response.content
     assert words(response.json()["text"]).endswith("nice today") and response.json()["language"] == "en"
 
@@ -217,10 +231,12 @@ async def test_a_large_upload_travels_through_the_spool(api, settings):
 
 def two_voice_config(config, budget: int):
     models = [m.model_copy(update={"initial_tier": "tier3_nvme_ssd"}) for m in config.models if m.id in (TTS, STT)]
-    return config.model_copy(update={
-        "hardware": config.hardware.model_copy(update={"simulated_vram_bytes": budget}),
-        "models": models,
-    })
+    return config.model_copy(
+        update={
+            "hardware": config.hardware.model_copy(update={"simulated_vram_bytes": budget}),
+            "models": models,
+        }
+    )
 
 
 @pytest.fixture

@@ -43,8 +43,9 @@ async def until(communicator: WebsocketCommunicator, kind: str, timeout: float =
 async def send_audio(communicator: WebsocketCommunicator, pcm: bytes, chunk_ms: int = 100) -> None:
     step = RATE * 2 * chunk_ms // 1000
     for start in range(0, len(pcm), step):
-        await communicator.send_json_to({"type": "input_audio_buffer.append",
-                                         "audio": base64.b64encode(pcm[start:start + step]).decode()})
+        await communicator.send_json_to(
+            {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[start : start + step]).decode()}
+        )
 
 
 async def test_a_key_is_needed_when_keys_are_configured(api, settings):

@@ -29,10 +29,15 @@ async def spoken(api, text: str = SENTENCE) -> bytes:
 
 async def test_an_input_audio_part_is_transcribed_then_answered_and_the_telemetry_says_so(api):
     audio = base64.b64encode(await spoken(api)).decode()
-    content = [{"type": "text", "text": "Repeat this sentence:"},
-               {"type": "input_audio", "input_audio": {"data": audio, "format": "wav"}}]
-    response = await post_json(api, "/v1/chat/completions", {
-        "model": CHAT, "messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0})
+    content = [
+        {"type": "text", "text": "Repeat this sentence:"},
+        {"type": "input_audio", "input_audio": {"data": audio, "format": "wav"}},
+    ]
+    response = await post_json(
+        api,
+        "/v1/chat/completions",
+        {"model": CHAT, "messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0},
+    )
     assert response.status_code == 200, response.content
     body = response.json()
     assert body["choices"][0]["message"]["content"]
@@ -48,8 +53,11 @@ async def test_an_input_audio_part_is_transcribed_then_answered_and_the_telemetr
 async def test_a_streamed_chat_with_audio_reports_the_pipeline_on_its_last_chunk(api):
     audio = base64.b64encode(await spoken(api, "Good morning.")).decode()
     content = [{"type": "input_audio", "input_audio": {"data": audio, "format": "wav"}}]
-    response = await post_json(api, "/v1/chat/completions", {
-        "model": CHAT, "messages": [{"role": "user", "content": content}], "max_tokens": 8, "stream": True})
+    response = await post_json(
+        api,
+        "/v1/chat/completions",
+        {"model": CHAT, "messages": [{"role": "user", "content": content}], "max_tokens": 8, "stream": True},
+    )
     assert response.status_code == 200
     raw = b"".join([chunk async for chunk in response.streaming_content]).decode()
     assert '"pipeline": [{"stage": "transcription"' in raw and raw.rstrip().endswith("data: [DONE]")
@@ -57,8 +65,9 @@ async def test_a_streamed_chat_with_audio_reports_the_pipeline_on_its_last_chunk
 
 async def test_audio_to_a_chat_model_that_cannot_hear_is_400(api):
     content = [{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]
-    response = await post_json(api, "/v1/chat/completions",
-                               {"model": "qwen2.5-coder-0.5b", "messages": [{"role": "user", "content": content}]})
+    response = await post_json(
+        api, "/v1/chat/completions", {"model": "qwen2.5-coder-0.5b", "messages": [{"role": "user", "content": content}]}
+    )
     assert response.status_code == 400 and "speech_to_text" in response.json()["error"]["message"]
 
 
@@ -75,17 +84,29 @@ async def test_a_voice_turn_is_one_workflow_and_each_step_brings_up_the_next_mod
     assert moved.status_code == 200
     turn = {"x-hypnos-workflow": "voice/turn-1"}
 
-    heard = await api.post("/v1/audio/transcriptions",
-                           {"model": STT, "file": SimpleUploadedFile("turn.wav", wav, "audio/wav")},
-                           headers={**turn, "x-hypnos-next-model": CHAT})
+    heard = await api.post(
+        "/v1/audio/transcriptions",
+        {"model": STT, "file": SimpleUploadedFile("turn.wav", wav, "audio/wav")},
+        headers={**turn, "x-hypnos-next-model": CHAT},
+    )
     assert heard.status_code == 200
-    answer = await post_json(api, "/v1/chat/completions", {
-        "model": CHAT, "max_tokens": 16, "temperature": 0,
-        "messages": [{"role": "user", "content": heard.json()["text"]}]}, **turn, **{"x-hypnos-next-model": TTS})
+    answer = await post_json(
+        api,
+        "/v1/chat/completions",
+        {
+            "model": CHAT,
+            "max_tokens": 16,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": heard.json()["text"]}],
+        },
+        **turn,
+        **{"x-hypnos-next-model": TTS},
+    )
     assert answer.status_code == 200
     reply = answer.json()["choices"][0]["message"]["content"] or "Okay."
-    speech = await post_json(api, "/v1/audio/speech", {"model": TTS, "input": reply},
-                             **turn, **{"x-hypnos-workflow-end": "true"})
+    speech = await post_json(
+        api, "/v1/audio/speech", {"model": TTS, "input": reply}, **turn, **{"x-hypnos-workflow-end": "true"}
+    )
     assert speech.status_code == 200
     # Named as the next model by the chat, the voice was loaded while the chat ran.
     assert speech["x-hypnos-previous-tier"] == "tier1_gpu_vram"

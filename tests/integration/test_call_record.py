@@ -59,8 +59,7 @@ async def test_a_streamed_chat_is_logged_from_its_record_not_its_bytes(api, sett
     await post_json(api, "/v1/logs/level", {"level": "debug"}, **AUTH)
     # Parsing a response for usage would go through json_body; with the record nothing does.
     parsed: list[bytes] = []
-    monkeypatch.setattr(middleware_module, "json_body",
-                        lambda raw: parsed.append(raw) or capture_module.json_body(raw))
+    monkeypatch.setattr(middleware_module, "json_body", lambda raw: parsed.append(raw) or capture_module.json_body(raw))
     response = await post_json(api, URL, CHAT | {"stream": True, "stream_options": {"include_usage": True}}, **AUTH)
     events = await read_sse(response)
     usage = events[-2]["usage"]
@@ -74,8 +73,7 @@ async def test_a_streamed_chat_is_logged_from_its_record_not_its_bytes(api, sett
 
 async def test_speech_and_transcription_feed_their_real_time_factors(api, settings):
     with_keys(settings)
-    speech = await post_json(api, "/v1/audio/speech", {"model": "piper-joe", "input": "The capital is Paris."},
-                            **AUTH)
+    speech = await post_json(api, "/v1/audio/speech", {"model": "piper-joe", "input": "The capital is Paris."}, **AUTH)
     assert speech.status_code == 200
     form = {"model": "whisper-tiny.en", "file": SimpleUploadedFile("speech.wav", speech.content, "audio/wav")}
     transcript = await api.post("/v1/audio/transcriptions", form, headers=AUTH)

@@ -78,7 +78,9 @@ async def test_max_tokens_ends_with_length(api):
 
 async def test_max_tokens_is_clamped_to_the_cap(api, settings):
     counting = LONG_STORY
-    body = (await post_json(api, URL, {"model": MODEL, "messages": counting, "max_tokens": 100000, "temperature": 0})).json()
+    body = (
+        await post_json(api, URL, {"model": MODEL, "messages": counting, "max_tokens": 100000, "temperature": 0})
+    ).json()
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == settings.HYPNOS.limits.max_tokens_cap
 
@@ -100,8 +102,13 @@ async def test_a_stop_string_ends_the_answer_before_it(api):
 
 
 async def test_the_same_seed_gives_the_same_sampled_answer(api):
-    request = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}],
-               "temperature": 1.0, "seed": 7, "max_tokens": 24}
+    request = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me a story."}],
+        "temperature": 1.0,
+        "seed": 7,
+        "max_tokens": 24,
+    }
     first = (await post_json(api, URL, request)).json()["choices"][0]["message"]["content"]
     second = (await post_json(api, URL, request)).json()["choices"][0]["message"]["content"]
     other = (await post_json(api, URL, request | {"seed": 8})).json()["choices"][0]["message"]["content"]
@@ -164,8 +171,10 @@ async def test_a_request_past_the_timeout_is_a_408_and_is_aborted(api, worker, s
 
 
 async def test_an_image_part_to_a_text_model_is_a_400(api):
-    content = [{"type": "text", "text": "what is this"},
-               {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    content = [
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    ]
     response = await post_json(api, URL, {"model": MODEL, "messages": [{"role": "user", "content": content}]})
     assert response.status_code == 400
     assert "vision" in response.json()["error"]["message"]
@@ -175,8 +184,14 @@ async def test_models_lists_the_pool_with_its_tier(api):
     response = await api.get("/v1/models")
     body = response.json()
     assert body["object"] == "list"
-    assert [m["id"] for m in body["data"]] == [MODEL, "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b",
-                                               "all-minilm-l6-v2", "whisper-tiny.en", "piper-joe"]
+    assert [m["id"] for m in body["data"]] == [
+        MODEL,
+        "qwen2.5-coder-0.5b",
+        "qwen2.5-coder-1.5b",
+        "all-minilm-l6-v2",
+        "whisper-tiny.en",
+        "piper-joe",
+    ]
     model = body["data"][0]
     assert model["id"] == MODEL and model["object"] == "model" and model["owned_by"] == "hypnos"
     assert model["modality"] == "text_generation"
@@ -191,4 +206,3 @@ async def test_health_and_ready(api):
     assert health["status"] == "ok" and health["service"] == "hypnos" and isinstance(health["uptime_secs"], int)
     ready = await api.get("/ready")
     assert ready.status_code == 200 and ready.json() == {"ready": True}
-

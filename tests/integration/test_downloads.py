@@ -50,8 +50,9 @@ class HubHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         state = self.state
-        state.requests.append({"path": self.path, "range": self.headers.get("Range"),
-                               "authorization": self.headers.get("Authorization")})
+        state.requests.append(
+            {"path": self.path, "range": self.headers.get("Range"), "authorization": self.headers.get("Authorization")}
+        )
         body = state.files.get(self.path)
         if body is None:
             return self._empty(404)
@@ -72,7 +73,7 @@ class HubHandler(BaseHTTPRequestHandler):
         self.end_headers()
         if state.drops:
             state.drops -= 1
-            payload = payload[:state.drop_after]
+            payload = payload[: state.drop_after]
             self.close_connection = True
         self.wfile.write(payload)
         state.sent += len(payload)
@@ -89,12 +90,15 @@ class HubHandler(BaseHTTPRequestHandler):
 @pytest.fixture
 def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, HubState]]:
     """A hub on a free port, named by HF_ENDPOINT for the test; HF_TOKEN unset."""
-    state = HubState(files={
-        "/acme/tiny-GGUF/resolve/main/tiny-F16.gguf": PAYLOAD,
-        "/acme/tiny-GGUF/resolve/main/tiny-Q8_0.gguf": PAYLOAD[:1000],
-        "/acme/locked-GGUF/resolve/main/locked.gguf": PAYLOAD,
-        "/mirror/plain.bin": PAYLOAD[:5000],
-    }, gated={"/acme/locked-GGUF/resolve/main/locked.gguf"})
+    state = HubState(
+        files={
+            "/acme/tiny-GGUF/resolve/main/tiny-F16.gguf": PAYLOAD,
+            "/acme/tiny-GGUF/resolve/main/tiny-Q8_0.gguf": PAYLOAD[:1000],
+            "/acme/locked-GGUF/resolve/main/locked.gguf": PAYLOAD,
+            "/mirror/plain.bin": PAYLOAD[:5000],
+        },
+        gated={"/acme/locked-GGUF/resolve/main/locked.gguf"},
+    )
     handler = type("Handler", (HubHandler,), {"state": state})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -112,40 +116,71 @@ def variant(quant: str, files: str, default: bool = False) -> str:
 
 
 def hub_file(repo: str, remote: str, size: int, extra: str = "") -> str:
-    return (f'[[models.variants.files]]\nrole = "weights"\nrepo = "{repo}"\nremote = "{remote}"\n'
-            f'local = "{remote}"\nsize = {size}\n{extra}\n')
+    return (
+        f'[[models.variants.files]]\nrole = "weights"\nrepo = "{repo}"\nremote = "{remote}"\n'
+        f'local = "{remote}"\nsize = {size}\n{extra}\n'
+    )
 
 
 def entry(model_id: str, *variants: str) -> str:
-    return (f'[[models]]\nid = "{model_id}"\nname = "{model_id}"\npublisher = "Acme"\nlicense = "mit"\n'
-            f'architecture = "llama"\nmodality = "text_generation"\nengine = "ggml_llama"\nsummary = "test"\n'
-            + "".join(variants))
+    return (
+        f'[[models]]\nid = "{model_id}"\nname = "{model_id}"\npublisher = "Acme"\nlicense = "mit"\n'
+        f'architecture = "llama"\nmodality = "text_generation"\nengine = "ggml_llama"\nsummary = "test"\n'
+        + "".join(variants)
+    )
 
 
 @pytest.fixture
 def catalog(tmp_path: Path, hub: tuple[str, HubState]) -> Path:
     url, _ = hub
     tqdm_main = Path(tqdm.__file__).with_name("_main.py")
-    text = 'catalog_version = 1\ntested_architectures = ["llama"]\n' + "".join([
-        entry("tiny:1b",
-              variant("F16", hub_file("acme/tiny-GGUF", "tiny-F16.gguf", len(PAYLOAD), f'sha256 = "{SHA256}"'),
-                      default=True),
-              variant("Q8_0", hub_file("acme/tiny-GGUF", "tiny-Q8_0.gguf", 1000))),
-        entry("wrong-size", variant("F16", hub_file("acme/tiny-GGUF", "tiny-F16.gguf", len(PAYLOAD) + 1), True)),
-        entry("wrong-hash", variant("F16", hub_file("acme/tiny-GGUF", "tiny-F16.gguf", len(PAYLOAD),
-                                                    f'sha256 = "{"0" * 64}"'), True)),
-        entry("locked", variant("F16", hub_file("acme/locked-GGUF", "locked.gguf", len(PAYLOAD), "gated = true"),
-                                True)),
-        entry("missing", variant("F16", hub_file("acme/tiny-GGUF", "nowhere.gguf", 10), True)),
-        entry("mirrored", variant("F16", hub_file(f"{url}/mirror/", "plain.bin", 5000), True)),
-        # A package-sourced file: an installed package's own file stands in for model weights.
-        entry("packaged", variant("any", f'[[models.variants.files]]\nrole = "data"\n'
-                                         f'package = "tqdm=={importlib.metadata.version("tqdm")}"\n'
-                                         f'local = "packaged/_main.py"\nsize = {tqdm_main.stat().st_size}\n', True)),
-        entry("packaged-folder", variant("any", f'[[models.variants.files]]\nrole = "data"\npackage = "tqdm"\n'
-                                                f'package_path = "contrib"\nlocal = "tqdm-contrib"\n'
-                                                f'size = {folder_bytes(tqdm_main.with_name("contrib"))}\n', True)),
-    ])
+    text = 'catalog_version = 1\ntested_architectures = ["llama"]\n' + "".join(
+        [
+            entry(
+                "tiny:1b",
+                variant(
+                    "F16",
+                    hub_file("acme/tiny-GGUF", "tiny-F16.gguf", len(PAYLOAD), f'sha256 = "{SHA256}"'),
+                    default=True,
+                ),
+                variant("Q8_0", hub_file("acme/tiny-GGUF", "tiny-Q8_0.gguf", 1000)),
+            ),
+            entry("wrong-size", variant("F16", hub_file("acme/tiny-GGUF", "tiny-F16.gguf", len(PAYLOAD) + 1), True)),
+            entry(
+                "wrong-hash",
+                variant(
+                    "F16", hub_file("acme/tiny-GGUF", "tiny-F16.gguf", len(PAYLOAD), f'sha256 = "{"0" * 64}"'), True
+                ),
+            ),
+            entry(
+                "locked",
+                variant("F16", hub_file("acme/locked-GGUF", "locked.gguf", len(PAYLOAD), "gated = true"), True),
+            ),
+            entry("missing", variant("F16", hub_file("acme/tiny-GGUF", "nowhere.gguf", 10), True)),
+            entry("mirrored", variant("F16", hub_file(f"{url}/mirror/", "plain.bin", 5000), True)),
+            # A package-sourced file: an installed package's own file stands in for model weights.
+            entry(
+                "packaged",
+                variant(
+                    "any",
+                    f'[[models.variants.files]]\nrole = "data"\n'
+                    f'package = "tqdm=={importlib.metadata.version("tqdm")}"\n'
+                    f'local = "packaged/_main.py"\nsize = {tqdm_main.stat().st_size}\n',
+                    True,
+                ),
+            ),
+            entry(
+                "packaged-folder",
+                variant(
+                    "any",
+                    f'[[models.variants.files]]\nrole = "data"\npackage = "tqdm"\n'
+                    f'package_path = "contrib"\nlocal = "tqdm-contrib"\n'
+                    f"size = {folder_bytes(tqdm_main.with_name('contrib'))}\n",
+                    True,
+                ),
+            ),
+        ]
+    )
     path = tmp_path / "models.catalog.toml"
     path.write_text(text)
     return path
@@ -319,4 +354,5 @@ def test_the_command_runs_as_a_process(catalog, hub, tmp_path):
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert refused.stderr.strip().splitlines() == [
         "CommandError: locked:F16 locked.gguf comes from the gated repository acme/locked-GGUF: set HF_TOKEN (or "
-        f"--token) to a token of a Hugging Face account that accepted the model's license at {url}/acme/locked-GGUF"]
+        f"--token) to a token of a Hugging Face account that accepted the model's license at {url}/acme/locked-GGUF"
+    ]

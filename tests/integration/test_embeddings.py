@@ -132,8 +132,11 @@ def reference_embedding(folder: Path, text: str) -> np.ndarray:
         return x.reshape(n, heads, dim).transpose(1, 0, 2)
 
     erf = np.vectorize(math.erf)
-    x = (w["embeddings.word_embeddings.weight"][ids] + w["embeddings.position_embeddings.weight"][:n]
-         + w["embeddings.token_type_embeddings.weight"][0])
+    x = (
+        w["embeddings.word_embeddings.weight"][ids]
+        + w["embeddings.position_embeddings.weight"][:n]
+        + w["embeddings.token_type_embeddings.weight"][0]
+    )
     x = norm(x, "embeddings.LayerNorm")
     for layer in range(6):
         p = f"encoder.layer.{layer}."
@@ -141,8 +144,10 @@ def reference_embedding(folder: Path, text: str) -> np.ndarray:
         scores = q @ k.transpose(0, 2, 1) / math.sqrt(dim)
         attn = np.exp(scores - scores.max(-1, keepdims=True))
         attn /= attn.sum(-1, keepdims=True)
-        x = norm(x + linear((attn @ v).transpose(1, 0, 2).reshape(n, -1), p + "attention.output.dense"),
-                 p + "attention.output.LayerNorm")
+        x = norm(
+            x + linear((attn @ v).transpose(1, 0, 2).reshape(n, -1), p + "attention.output.dense"),
+            p + "attention.output.LayerNorm",
+        )
         hidden = linear(x, p + "intermediate.dense")
         hidden = 0.5 * hidden * (1 + erf(hidden / math.sqrt(2)))
         x = norm(x + linear(hidden, p + "output.dense"), p + "output.LayerNorm")

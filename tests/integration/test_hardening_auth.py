@@ -37,8 +37,14 @@ CHANGING_METHODS = ("post", "put", "patch", "delete")
 # Routes that compute an answer and change nothing, so any valid key may call them: the
 # inference routes (spec §7-§10), the advisor (spec §6, a recommendation) and the catch-all 404.
 OPEN_TO_EVERY_KEY = {
-    views.ChatCompletionsView, views.CompletionsView, views.ResponsesView, views.EmbeddingsView,
-    views.AudioTranscriptionsView, views.AudioSpeechView, views.AdvisorView, views.UnknownRouteView,
+    views.ChatCompletionsView,
+    views.CompletionsView,
+    views.ResponsesView,
+    views.EmbeddingsView,
+    views.AudioTranscriptionsView,
+    views.AudioSpeechView,
+    views.AdvisorView,
+    views.UnknownRouteView,
 }
 # What a route's URL parameters are filled with when it is called.
 SAMPLE_ARGUMENTS = {"model_id": SMOL, "request_id": "req-" + "0" * 32}
@@ -47,8 +53,9 @@ SAMPLE_ARGUMENTS = {"model_id": SMOL, "request_id": "req-" + "0" * 32}
 @pytest.fixture(autouse=True)
 def keys(settings: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """An admin key and two plain keys; the configured log level; no counted metrics."""
-    with_server(settings, api_keys=[ADMIN], keys=[KeyConfig(key=PLAIN, label="plain"),
-                                                  KeyConfig(key=OTHER, label="other")])
+    with_server(
+        settings, api_keys=[ADMIN], keys=[KeyConfig(key=PLAIN, label="plain"), KeyConfig(key=OTHER, label="other")]
+    )
     monkeypatch.setattr(metrics_module, "_memory_counters", metrics_module.MemoryCounters())
     levels.reset()
     yield
@@ -70,7 +77,11 @@ def error_of(response: Any, status: int) -> dict[str, Any]:
 
 def assert_admin_only(response: Any) -> None:
     assert error_of(response, 403) | {"message": ""} == {
-        "message": "", "type": "permission_denied", "param": None, "code": "permission_denied"}
+        "message": "",
+        "type": "permission_denied",
+        "param": None,
+        "code": "permission_denied",
+    }
     assert "needs an admin key" in response.json()["error"]["message"]
 
 
@@ -102,16 +113,27 @@ def api_routes() -> list[tuple[str, str, type]]:
 
 
 def changing_calls() -> list[tuple[str, str, str, type]]:
-    return [(method, url, route, view) for url, route, view in api_routes()
-            for method in CHANGING_METHODS if hasattr(view, method)]
+    return [
+        (method, url, route, view)
+        for url, route, view in api_routes()
+        for method in CHANGING_METHODS
+        if hasattr(view, method)
+    ]
 
 
 def test_the_walk_finds_the_routes_that_change_state():
     walked = {(method, route) for method, _, route, _ in changing_calls()}
-    for expected in [("post", "v1/models"), ("delete", "api/v1/models/<path:model_id>"),
-                     ("post", "v1/models/<path:model_id>/disable"), ("post", "v1/memory/kv-park"),
-                     ("delete", "v1/logs"), ("post", "api/v1/logs/level"), ("post", "api/v1/load"),
-                     ("post", "internal/set"), ("delete", "v1/models/<path:model_id>/options")]:
+    for expected in [
+        ("post", "v1/models"),
+        ("delete", "api/v1/models/<path:model_id>"),
+        ("post", "v1/models/<path:model_id>/disable"),
+        ("post", "v1/memory/kv-park"),
+        ("delete", "v1/logs"),
+        ("post", "api/v1/logs/level"),
+        ("post", "api/v1/load"),
+        ("post", "internal/set"),
+        ("delete", "v1/models/<path:model_id>/options"),
+    ]:
         assert expected in walked
 
 
@@ -121,8 +143,9 @@ async def test_every_route_that_changes_state_refuses_a_plain_key(api, use_worke
     calls = changing_calls()
     refused, served = [], []
     for method, url, route, view in calls:
-        response = await api.generic(method.upper(), url, data="{}", content_type="application/json",
-                                     headers=bearer(PLAIN))
+        response = await api.generic(
+            method.upper(), url, data="{}", content_type="application/json", headers=bearer(PLAIN)
+        )
         if view in OPEN_TO_EVERY_KEY:
             assert response.status_code != 403, (method, route, response.content)
             served.append(route)
@@ -130,19 +153,24 @@ async def test_every_route_that_changes_state_refuses_a_plain_key(api, use_worke
         assert response.status_code == 403, f"{method.upper()} /{route} answered {response.status_code} to a plain key"
         assert_admin_only(response)
         # The admin key passes the same check (its answer is the route's own: 400, 404, 503...).
-        admitted = await api.generic(method.upper(), url, data="{}", content_type="application/json",
-                                     headers=bearer(ADMIN))
+        admitted = await api.generic(
+            method.upper(), url, data="{}", content_type="application/json", headers=bearer(ADMIN)
+        )
         assert admitted.status_code != 403, (method, route, admitted.content)
         refused.append(route)
     assert len(refused) >= 27 and "v1/chat/completions" in served
 
 
 async def test_a_plain_key_cannot_disable_the_admins_model_or_move_it(api, worker):
-    for path, body in [(f"/v1/models/{SMOL}/disable", {}), (f"/v1/models/{SMOL}/enable", {}),
-                       ("/v1/memory/tier", {"model": SMOL, "target_tier": "tier3_nvme_ssd"}),
-                       ("/v1/memory/kv-park", {"enabled": False}),
-                       (f"/v1/models/{SMOL}/moe-offload", {"mode": "auto"}),
-                       ("/api/v1/unload", {"model_name": SMOL}), ("/api/v1/load", {"model_name": SMOL})]:
+    for path, body in [
+        (f"/v1/models/{SMOL}/disable", {}),
+        (f"/v1/models/{SMOL}/enable", {}),
+        ("/v1/memory/tier", {"model": SMOL, "target_tier": "tier3_nvme_ssd"}),
+        ("/v1/memory/kv-park", {"enabled": False}),
+        (f"/v1/models/{SMOL}/moe-offload", {"mode": "auto"}),
+        ("/api/v1/unload", {"model_name": SMOL}),
+        ("/api/v1/load", {"model_name": SMOL}),
+    ]:
         assert_admin_only(await post_json(api, path, body, **bearer(PLAIN)))
     model = (await api.get(f"/v1/models/{SMOL}", headers=bearer(PLAIN))).json()
     assert model["enabled"] is True and model["current_tier"] == "tier1_gpu_vram"
@@ -200,11 +228,18 @@ async def test_a_cancelled_stream_is_logged_with_what_it_generated(api):
         assert await wait_until(lambda: len(chunks) >= 6, timeout=60)
     finally:
         reader.cancel()
-    delivered = sum(1 for chunk in b"".join(chunks).split(b"\n\n") if b'"content": "' in chunk and
-                    json.loads(chunk[len(b"data: "):])["choices"][0]["delta"].get("content"))
+    delivered = sum(
+        1
+        for chunk in b"".join(chunks).split(b"\n\n")
+        if b'"content": "' in chunk and json.loads(chunk[len(b"data: ") :])["choices"][0]["delta"].get("content")
+    )
     record = await logged(api, stream["x-request-id"])
-    assert (record["status"], record["stream"], record["finish_reason"], record["level"]) == (200, True, "cancelled",
-                                                                                               "warn")
+    assert (record["status"], record["stream"], record["finish_reason"], record["level"]) == (
+        200,
+        True,
+        "cancelled",
+        "warn",
+    )
     assert record["error"] == "the client disconnected before the response was complete"
     # The middleware read a chunk the reader may not have taken yet when it was cancelled.
     assert delivered >= 4 and delivered <= record["tokens_out"] <= delivered + 1 < 60
@@ -243,8 +278,12 @@ async def scrape(api: Any, **headers: str) -> set[str]:
 
 async def test_the_key_families_of_metrics_are_shown_to_admin_keys_only(api, settings):
     await post_json(api, "/v1/chat/completions", CHAT, **bearer(PLAIN))
-    key_families = {"hypnos_api_key_requests", "hypnos_api_key_rejections", "hypnos_api_key_tokens",
-                    "hypnos_api_key_tokens_today"}
+    key_families = {
+        "hypnos_api_key_requests",
+        "hypnos_api_key_rejections",
+        "hypnos_api_key_tokens",
+        "hypnos_api_key_tokens_today",
+    }
     for headers in [{}, bearer(PLAIN), bearer("sk-unknown")]:
         shown = await scrape(api, **headers)
         assert "hypnos_http_requests" in shown and not shown & key_families
@@ -273,8 +312,16 @@ async def test_a_plain_key_sees_paths_relative_to_models_dir(api, settings):
     assert (await api.get("/v1/models/catalog", headers=bearer(PLAIN))).json()["models_dir"] is None
     assert (await api.get("/v1/models/catalog", headers=bearer(ADMIN))).json()["models_dir"] == models_dir
 
-    for path in ["/v1/models/catalog", "/v1/memory/status", "/api/v1/health", f"/v1/models/{SMOL}/files",
-                 "/v1/models", f"/v1/models/{SMOL}", f"/v1/models/{SMOL}/options", "/v1/memory/kv-park"]:
+    for path in [
+        "/v1/models/catalog",
+        "/v1/memory/status",
+        "/api/v1/health",
+        f"/v1/models/{SMOL}/files",
+        "/v1/models",
+        f"/v1/models/{SMOL}",
+        f"/v1/models/{SMOL}/options",
+        "/v1/memory/kv-park",
+    ]:
         response = await api.get(path, headers=bearer(PLAIN))
         assert response.status_code == 200, (path, response.content)
         page = response.content.decode()
@@ -285,8 +332,10 @@ def test_hidden_paths_keep_what_is_not_a_server_path(settings):
     from inference.serving.models import hide_paths
 
     models_dir, home = settings.HYPNOS.models_dir, __import__("pathlib").Path.home()
-    shown = hide_paths({"a": [f"cannot read {models_dir}/x/y.gguf: gone", f"{home}/notes", f"{home}2/x",
-                              "http://host/v1/models"]}, admin=False)
+    shown = hide_paths(
+        {"a": [f"cannot read {models_dir}/x/y.gguf: gone", f"{home}/notes", f"{home}2/x", "http://host/v1/models"]},
+        admin=False,
+    )
     assert shown == {"a": ["cannot read x/y.gguf: gone", "~/notes", f"{home}2/x", "http://host/v1/models"]}
     assert hide_paths({"p": str(models_dir)}, admin=True) == {"p": str(models_dir)}
 
@@ -297,17 +346,23 @@ def test_hidden_paths_keep_what_is_not_a_server_path(settings):
 async def test_while_staging_disable_moe_offload_and_kv_park_are_503(api, settings, use_worker):
     staging = use_worker(Worker(settings.HYPNOS))  # never started: still staging
     assert not staging.ready
-    for path, body in [(f"/v1/models/{SMOL}/disable", {}), (f"/v1/models/{SMOL}/enable", {}),
-                       (f"/v1/models/{SMOL}/moe-offload", {"mode": "auto"}),
-                       ("/v1/memory/kv-park", {"enabled": True}), ("/v1/memory/kv-park", {"max_bytes": 1})]:
+    for path, body in [
+        (f"/v1/models/{SMOL}/disable", {}),
+        (f"/v1/models/{SMOL}/enable", {}),
+        (f"/v1/models/{SMOL}/moe-offload", {"mode": "auto"}),
+        ("/v1/memory/kv-park", {"enabled": True}),
+        ("/v1/memory/kv-park", {"max_bytes": 1}),
+    ]:
         response = await post_json(api, path, body, **bearer(ADMIN))
         error = error_of(response, 503)
         assert error["type"] == "model_not_available" and "pre-staging" in error["message"], path
         assert response["Retry-After"] == "5"
     assert staging.models[SMOL].enabled is True
     parking = staging.kv_parking.status()
-    assert (parking["enabled"], parking["max_bytes"]) == (settings.HYPNOS.hardware.kv_park,
-                                                          settings.HYPNOS.hardware.kv_park_max_bytes)
+    assert (parking["enabled"], parking["max_bytes"]) == (
+        settings.HYPNOS.hardware.kv_park,
+        settings.HYPNOS.hardware.kv_park_max_bytes,
+    )
     # Reading stays open (spec §3).
     assert (await api.get("/v1/memory/kv-park", headers=bearer(PLAIN))).status_code == 200
 
@@ -317,9 +372,11 @@ async def test_while_staging_disable_moe_offload_and_kv_park_are_503(api, settin
 
 async def test_the_realtime_socket_closes_with_1008_on_a_bad_key(api):
     app = URLRouter(websocket_urlpatterns)
-    for path, headers in [("/v1/realtime?intent=transcription", []),
-                          ("/v1/realtime?api_key=sk-wrong", []),
-                          ("/v1/realtime", [(b"authorization", b"Bearer sk-wrong")])]:
+    for path, headers in [
+        ("/v1/realtime?intent=transcription", []),
+        ("/v1/realtime?api_key=sk-wrong", []),
+        ("/v1/realtime", [(b"authorization", b"Bearer sk-wrong")]),
+    ]:
         communicator = WebsocketCommunicator(app, path, headers=headers)
         connected, _ = await communicator.connect()
         assert connected

@@ -204,7 +204,10 @@ def test_the_allowed_hosts_are_loopback_the_bound_address_and_the_listed_ones(tm
     assert hosts('host = "192.168.1.20"') == [*loopback, "192.168.1.20"]
     assert hosts('host = "fd00::1"') == [*loopback, "[fd00::1]"]
     assert hosts('host = "0.0.0.0"\nallowed_hosts = ["hypnos.lan", ".example.com"]') == [
-        *loopback, "hypnos.lan", ".example.com"]
+        *loopback,
+        "hypnos.lan",
+        ".example.com",
+    ]
 
 
 # Origin and content type (cross-site requests without a preflight)
@@ -216,8 +219,9 @@ async def enabled(api) -> bool:
 
 
 async def test_a_cross_site_text_plain_post_cannot_disable_a_model(api):
-    response = await send(api, "post", "/v1/models/smollm2-135m/disable", "{}", "text/plain",
-                          origin="https://attacker.example")
+    response = await send(
+        api, "post", "/v1/models/smollm2-135m/disable", "{}", "text/plain", origin="https://attacker.example"
+    )
     error = error_of(response, 403)
     assert error["type"] == "permission_denied" and error["code"] == "origin_not_allowed"
     assert await enabled(api)
@@ -300,14 +304,19 @@ def deploy_env(tmp_path, **extra: str) -> dict[str, str]:
         f'[server.tls]\ncert = "{cert}"\nkey = "{key}"\n'
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYPNOS_")}
-    env.update(HYPNOS_CONFIG=str(config), HYPNOS_DATA_DIR=str(tmp_path / "data"),
-               DJANGO_SETTINGS_MODULE="hypnos_site.settings", **extra)
+    env.update(
+        HYPNOS_CONFIG=str(config),
+        HYPNOS_DATA_DIR=str(tmp_path / "data"),
+        DJANGO_SETTINGS_MODULE="hypnos_site.settings",
+        **extra,
+    )
     return env
 
 
 def manage(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "manage.py", *args], cwd=BASE_DIR, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=BASE_DIR, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_check_deploy_is_clean_with_keys_and_tls(tmp_path):

@@ -57,8 +57,10 @@ def chat(**extra: Any) -> dict[str, Any]:
 
 
 def weather_tool(parameters: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                             "parameters": parameters}}
+    return {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather of a city", "parameters": parameters},
+    }
 
 
 def assert_refused(response: Any, param: str, code: str = "invalid_request_error", words: str = "") -> dict:
@@ -88,16 +90,19 @@ CRASHING_SCHEMAS = {
     "minLength 3x10^7": ({"type": "string", "minLength": 30_000_000}, "minLength 30000000"),
     "minItems 10^7": ({"type": "array", "items": {"type": "integer"}, "minItems": 10_000_000}, "minItems 10000000"),
     "pattern {0,5000}": ({"type": "string", "pattern": "^a{0,5000}$"}, "pattern repetition 5000"),
-    "nested 40 deep": ({"type": "array", "items": json.loads('{"type": "array", "items": ' * 39 + '{"type": "integer"}'
-                                                             + "}" * 39)}, "max_grammar_depth"),
-    "200 properties": ({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(200)}},
-                       "max_grammar_properties"),
+    "nested 40 deep": (
+        {"type": "array", "items": json.loads('{"type": "array", "items": ' * 39 + '{"type": "integer"}' + "}" * 39)},
+        "max_grammar_depth",
+    ),
+    "200 properties": (
+        {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(200)}},
+        "max_grammar_properties",
+    ),
     "unanchored pattern": ({"type": "string", "pattern": "[a-z]+"}, "not anchored"),
     "dangling $ref": ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "names nothing"),
     "remote $ref": ({"$ref": "https://example.com/schema.json"}, "only local references"),
     "unknown type": ({"type": "strnig"}, "not one of"),
-    "untyped sub-schema": ({"type": "object", "properties": {"a": {"description": "anything"}}},
-                           "converter refuses"),
+    "untyped sub-schema": ({"type": "object", "properties": {"a": {"description": "anything"}}}, "converter refuses"),
 }
 
 
@@ -119,8 +124,12 @@ async def test_the_server_still_answers_after_the_crashing_schemas(api, smol):
 
 
 async def test_a_schema_at_the_limits_still_constrains_the_answer(api, smol):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 1000}},
-              "required": ["name"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 1000}},
+        "required": ["name"],
+        "additionalProperties": False,
+    }
     response = await post_json(api, CHAT, chat(response_format=schema_format(schema), max_tokens=60, temperature=0))
     assert response.status_code == 200
     answer = response.json()["choices"][0]["message"]["content"]
@@ -131,10 +140,20 @@ async def test_a_schema_at_the_limits_still_constrains_the_answer(api, smol):
 
 async def test_a_local_ref_in_a_tool_schema_resolves_in_the_forced_call(api, coder):
     """The forced call's grammar nests each tool's parameters; their #/ references follow them."""
-    parameters = {"type": "object", "properties": {"city": {"$ref": "#/$defs/city"}}, "required": ["city"],
-                  "$defs": {"city": {"type": "string", "maxLength": 20}}}
-    body = {"model": CODER, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-            "tools": [weather_tool(parameters)], "tool_choice": "required", "max_tokens": 40, "temperature": 0}
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"$ref": "#/$defs/city"}},
+        "required": ["city"],
+        "$defs": {"city": {"type": "string", "maxLength": 20}},
+    }
+    body = {
+        "model": CODER,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [weather_tool(parameters)],
+        "tool_choice": "required",
+        "max_tokens": 40,
+        "temperature": 0,
+    }
     response = await post_json(api, CHAT, body)
     assert response.status_code == 200, response.content
     choice = response.json()["choices"][0]
@@ -159,11 +178,19 @@ async def test_an_unresolvable_ref_in_a_tool_schema_is_refused_whatever_tool_cho
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 async def test_responses_text_format_is_checked_like_response_format(api, smol, stream):
-    body = {"model": SMOL, "input": "Give me JSON.", "max_output_tokens": 8, "stream": stream,
-            "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string", "maxLength": 5000}}}}
+    body = {
+        "model": SMOL,
+        "input": "Give me JSON.",
+        "max_output_tokens": 8,
+        "stream": stream,
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string", "maxLength": 5000}}},
+    }
     assert_refused(await post_json(api, RESPONSES, body), "text.format", words="maxLength 5000")
-    tool = {"type": "function", "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5000}}}}
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5000}}},
+    }
     body = {"model": SMOL, "input": "Weather in Paris?", "tools": [tool], "tool_choice": "required", "stream": stream}
     assert_refused(await post_json(api, RESPONSES, body), "tools", words="maxLength 5000")
     await assert_still_answers(api)
@@ -172,18 +199,22 @@ async def test_responses_text_format_is_checked_like_response_format(api, smol, 
 async def test_the_worker_refuses_what_libllama_cannot_parse_as_the_last_line(api, smol, settings):
     """A web process with looser limits (another config) lets maxLength 1500 through; the worker
     checks with its own limits and has libllama parse the grammar: 400, no crash."""
-    settings.HYPNOS = settings.HYPNOS.model_copy(update={"limits": settings.HYPNOS.limits.model_copy(
-        update={"max_grammar_repetition": 5000})})
-    smol.config = smol.config.model_copy(update={"limits": smol.config.limits.model_copy(
-        update={"max_grammar_repetition": 5000})})
+    settings.HYPNOS = settings.HYPNOS.model_copy(
+        update={"limits": settings.HYPNOS.limits.model_copy(update={"max_grammar_repetition": 5000})}
+    )
+    smol.config = smol.config.model_copy(
+        update={"limits": smol.config.limits.model_copy(update={"max_grammar_repetition": 5000})}
+    )
     for stream in (False, True):
-        response = await post_json(api, CHAT, chat(response_format=schema_format({"type": "string", "maxLength": 1500}),
-                                                   stream=stream))
+        response = await post_json(
+            api, CHAT, chat(response_format=schema_format({"type": "string", "maxLength": 1500}), stream=stream)
+        )
         assert_refused(response, "response_format", words="libllama refuses")
     await assert_still_answers(api)
 
 
 # The context check: counted in tokens in the worker, before `started`, so before any byte.
+
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 @pytest.mark.parametrize("route", ["chat", "completions", "responses"])
@@ -207,8 +238,9 @@ async def test_the_context_grows_to_the_counted_tokens_when_the_estimate_falls_s
     2048-token context), counted at ~2100. The worker grows the context before it starts."""
     with_limits(settings, max_tokens_cap=4096)
     cjk = "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(40))
-    response = await post_json(api, CHAT, {"model": SMOL, "max_tokens": 2000, "stream": True,
-                                           "messages": [{"role": "user", "content": cjk}]})
+    response = await post_json(
+        api, CHAT, {"model": SMOL, "max_tokens": 2000, "stream": True, "messages": [{"role": "user", "content": cjk}]}
+    )
     assert response.status_code == 200
     reading, chunks = read_in_background(response)
     try:
@@ -222,18 +254,30 @@ async def test_the_context_grows_to_the_counted_tokens_when_the_estimate_falls_s
 # Lone surrogates and empty prompts: 400 naming the field on every text route and embeddings.
 
 SURROGATE_BODIES = {
-    "chat": (CHAT, '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
-             "messages.0.content"),
-    "chat stream": (CHAT, '{"model": "smollm2-135m", "stream": true, "messages": [{"role": "user", '
-                          '"content": "a\\udfffb"}]}', "messages.0.content"),
+    "chat": (
+        CHAT,
+        '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        "messages.0.content",
+    ),
+    "chat stream": (
+        CHAT,
+        '{"model": "smollm2-135m", "stream": true, "messages": [{"role": "user", "content": "a\\udfffb"}]}',
+        "messages.0.content",
+    ),
     "completions": (COMPLETIONS, '{"model": "smollm2-135m", "prompt": "a\\ud800b"}', "prompt"),
     "responses": (RESPONSES, '{"model": "smollm2-135m", "input": "a\\ud800b"}', "input"),
-    "responses items": (RESPONSES, '{"model": "smollm2-135m", "input": [{"type": "message", "role": "user", '
-                                   '"content": [{"type": "input_text", "text": "a\\ud800b"}]}]}',
-                        "input.0.content.0.text"),
+    "responses items": (
+        RESPONSES,
+        '{"model": "smollm2-135m", "input": [{"type": "message", "role": "user", '
+        '"content": [{"type": "input_text", "text": "a\\ud800b"}]}]}',
+        "input.0.content.0.text",
+    ),
     "embeddings": (EMBEDDINGS, '{"model": "all-minilm-l6-v2", "input": ["fine", "a\\ud800b"]}', "input.1"),
-    "stop": (CHAT, '{"model": "smollm2-135m", "stop": ["\\ud800"], "messages": [{"role": "user", "content": "x"}]}',
-             "stop.0"),
+    "stop": (
+        CHAT,
+        '{"model": "smollm2-135m", "stop": ["\\ud800"], "messages": [{"role": "user", "content": "x"}]}',
+        "stop.0",
+    ),
 }
 
 
@@ -259,8 +303,9 @@ async def test_an_empty_completions_prompt_is_400(api, smol, prompt, stream):
 
 async def test_a_streamed_refusal_sends_no_event_stream(api, smol):
     """Every refusal comes before the first byte: a JSON 400, not a 200 with an error chunk."""
-    response = await post_json(api, CHAT, {"model": SMOL, "stream": True,
-                                           "messages": [{"role": "user", "content": TOO_LONG}]})
+    response = await post_json(
+        api, CHAT, {"model": SMOL, "stream": True, "messages": [{"role": "user", "content": TOO_LONG}]}
+    )
     assert response.status_code == 400 and not response.streaming
     ok = await post_json(api, CHAT, {"model": SMOL, "stream": True, "max_tokens": 3, "messages": PARIS_MESSAGES})
     assert ok.status_code == 200 and (await read_sse(ok))[-1] == "[DONE]"
@@ -269,10 +314,12 @@ async def test_a_streamed_refusal_sends_no_event_stream(api, smol):
 def test_the_web_process_converts_a_schema_without_loading_libllama():
     """The web process measures the GBNF with llama-cpp-python's converter, loaded from its file:
     the distributed web process never imports an engine library."""
-    code = ("import sys\nfrom hypnos_site.config import LimitsConfig\n"
-            "from inference.grammar_limits import check_schema\n"
-            "gbnf = check_schema({'type': 'string', 'maxLength': 10}, LimitsConfig(), 'response_format')\n"
-            "print('char ::=' in gbnf, [m for m in sys.modules if m.split('.')[0] == 'llama_cpp'])")
+    code = (
+        "import sys\nfrom hypnos_site.config import LimitsConfig\n"
+        "from inference.grammar_limits import check_schema\n"
+        "gbnf = check_schema({'type': 'string', 'maxLength': 10}, LimitsConfig(), 'response_format')\n"
+        "print('char ::=' in gbnf, [m for m in sys.modules if m.split('.')[0] == 'llama_cpp'])"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=BASE_DIR, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True []"

@@ -42,8 +42,9 @@ async def test_it_releases_the_lease_of_an_abandoned_stream_at_once(api, tight):
     warm = await post_json(api, URL, {"model": SMOL, "messages": long_prompt("Warm", 300), "max_tokens": 1})
     assert warm.status_code == 200, warm.content  # loaded with the context the long prompt needs
     runtime = tight.models[SMOL]
-    stream = await post_json(api, URL, {"model": SMOL, "messages": long_prompt("Go", 300), "max_tokens": 50,
-                                        "stream": True})
+    stream = await post_json(
+        api, URL, {"model": SMOL, "messages": long_prompt("Go", 300), "max_tokens": 50, "stream": True}
+    )
     assert stream.status_code == 200
     reader, chunks = read_in_background(stream)
     try:
@@ -63,12 +64,14 @@ async def test_it_releases_the_lease_of_an_abandoned_stream_at_once(api, tight):
 
 
 async def test_it_ends_a_stream_whose_engine_stalls_past_the_request_timeout_with_a_timeout_chunk(
-        api, worker, settings):
+    api, worker, settings
+):
     warm = await post_json(api, URL, {"model": SMOL, "messages": long_prompt("Warm", 1000), "max_tokens": 1})
     assert warm.status_code == 200, warm.content
     with_limits(settings, request_timeout_secs=0.4)
-    stream = await post_json(api, URL, {"model": SMOL, "messages": long_prompt("Go", 1000), "max_tokens": 50,
-                                        "stream": True})
+    stream = await post_json(
+        api, URL, {"model": SMOL, "messages": long_prompt("Go", 1000), "max_tokens": 50, "stream": True}
+    )
     assert stream.status_code == 200
     events = await read_sse(stream)
     assert events[-1] == "[DONE]"
@@ -91,5 +94,6 @@ async def test_a_tier_move_longer_than_the_request_timeout_is_a_504(api, tight, 
     assert error["type"] == "timeout" and error["code"] == "timeout" and error["param"] is None
     assert "request_timeout_secs" in error["message"]
     # The load itself goes on in the worker and ends in tier 1.
-    assert await wait_until(lambda: tight.tiers.entries[QWEN].tier == "tier1_gpu_vram"
-                            and not tight.tiers.entries[QWEN].leases, timeout=60)
+    assert await wait_until(
+        lambda: tight.tiers.entries[QWEN].tier == "tier1_gpu_vram" and not tight.tiers.entries[QWEN].leases, timeout=60
+    )

@@ -43,6 +43,7 @@ QUICK_SECS = 2.0
 def png_bomb(width: int = 13000, height: int = 13000) -> bytes:
     """A real PNG of `width` x `height` 8-bit grey pixels, all black: ~20 KB that decode to
     width x height bytes (x3 as RGB). Compressed row by row, so making it takes no memory."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
@@ -79,8 +80,15 @@ def flac_silence(secs: float, rate: int = 8000, declared_secs: float | None = No
 
 def wav_silence(secs: float, rate: int = 16000) -> bytes:
     pcm = bytes(int(secs * rate) * 2)
-    return (b"RIFF" + struct.pack("<I", 36 + len(pcm)) + b"WAVEfmt "
-            + struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16) + b"data" + struct.pack("<I", len(pcm)) + pcm)
+    return (
+        b"RIFF"
+        + struct.pack("<I", 36 + len(pcm))
+        + b"WAVEfmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16)
+        + b"data"
+        + struct.pack("<I", len(pcm))
+        + pcm
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +104,9 @@ def assert_invalid(response, param: str, message: str) -> None:
     """The spec's 400 envelope, exactly, with a request id."""
     assert response.status_code == 400, response.content
     assert response["x-request-id"].startswith("req-")
-    assert response.json() == {"error": {"message": message, "type": "invalid_request_error", "param": param,
-                                         "code": "invalid_request_error"}}
+    assert response.json() == {
+        "error": {"message": message, "type": "invalid_request_error", "param": param, "code": "invalid_request_error"}
+    }
 
 
 async def transcribe(api, audio: bytes, name: str = "clip.flac"):
@@ -105,9 +114,19 @@ async def transcribe(api, audio: bytes, name: str = "clip.flac"):
 
 
 def audio_chat(audio: bytes, fmt: str = "flac") -> dict:
-    return {"model": CHAT, "max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "What is said here?"},
-        {"type": "input_audio", "input_audio": {"data": base64.b64encode(audio).decode(), "format": fmt}}]}]}
+    return {
+        "model": CHAT,
+        "max_tokens": 4,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is said here?"},
+                    {"type": "input_audio", "input_audio": {"data": base64.b64encode(audio).decode(), "format": fmt}},
+                ],
+            }
+        ],
+    }
 
 
 # -- images --------------------------------------------------------------------------------
@@ -127,16 +146,30 @@ def projector(tmp_path_factory):
 def seeing(settings, serve, projector) -> Worker:
     """SmolLM2 with test_vision.py's tiny projector: a model that takes image_url parts."""
     smol = next(m for m in settings.HYPNOS.models if m.id == CHAT)
-    seeing = smol.model_copy(update={"id": SEEING, "aliases": [], "aux_path": str(projector),
-                                     "speech_to_text_model": None})
+    seeing = smol.model_copy(
+        update={"id": SEEING, "aliases": [], "aux_path": str(projector), "speech_to_text_model": None}
+    )
     settings.HYPNOS = settings.HYPNOS.model_copy(update={"models": [seeing]})
     return serve(settings.HYPNOS)
 
 
 def image_chat(data: bytes) -> dict:
-    return {"model": SEEING, "max_tokens": 4, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "Describe it."},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}]}]}
+    return {
+        "model": SEEING,
+        "max_tokens": 4,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Describe it."},
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()},
+                    },
+                ],
+            }
+        ],
+    }
 
 
 async def test_it_refuses_a_png_declaring_13000x13000_pixels_before_the_worker(api, seeing):
@@ -146,8 +179,9 @@ async def test_it_refuses_a_png_declaring_13000x13000_pixels_before_the_worker(a
     before, started = rss(), time.perf_counter()
     response = await post_json(api, "/v1/chat/completions", body)
     elapsed = time.perf_counter() - started
-    assert_invalid(response, "messages",
-                   "An image declares more pixels than limits.max_image_pixels allows (16777216).")
+    assert_invalid(
+        response, "messages", "An image declares more pixels than limits.max_image_pixels allows (16777216)."
+    )
     assert elapsed < QUICK_SECS, elapsed
     assert rss() - before < MAX_GROWTH_BYTES
 
@@ -175,8 +209,9 @@ def test_the_worker_decodes_no_image_above_max_image_pixels(worker):
     with pytest.raises(InvalidRequest) as caught:
         decode_rgb(png_bomb(4097, 4096), 0)
     assert caught.value.param == "messages"
-    assert caught.value.message == ("image 1 of the request is 4097x4096 pixels, "
-                                    "above limits.max_image_pixels (16777216).")
+    assert caught.value.message == (
+        "image 1 of the request is 4097x4096 pixels, above limits.max_image_pixels (16777216)."
+    )
     with pytest.raises(InvalidRequest, match="image 2 of the request cannot be decoded"):
         decode_rgb(png_bomb(), 1)
     assert time.perf_counter() - started < QUICK_SECS
@@ -242,14 +277,18 @@ async def test_the_realtime_buffer_is_capped_by_max_audio_secs(api, settings):
     assert (await communicator.receive_json_from(10))["type"] == "transcription_session.updated"
     second = base64.b64encode(bytes(RATE * 2)).decode()  # 1 s of pcm16 silence
     await communicator.send_json_to({"type": "input_audio_buffer.append", "audio": second})
-    await communicator.send_json_to({"type": "input_audio_buffer.append", "audio": second[:400],
-                                     "event_id": "event_over"})
+    await communicator.send_json_to(
+        {"type": "input_audio_buffer.append", "audio": second[:400], "event_id": "event_over"}
+    )
     event = await communicator.receive_json_from(10)
     assert event["type"] == "error"
-    assert event["error"] == {"type": "invalid_request_error", "code": "buffer_too_large", "param": "audio",
-                              "event_id": "event_over",
-                              "message": "The input audio buffer would exceed limits.max_audio_secs (1 s); "
-                                         "commit or clear it."}
+    assert event["error"] == {
+        "type": "invalid_request_error",
+        "code": "buffer_too_large",
+        "param": "audio",
+        "event_id": "event_over",
+        "message": "The input audio buffer would exceed limits.max_audio_secs (1 s); commit or clear it.",
+    }
     # The second within the cap stays and commits.
     await communicator.send_json_to({"type": "input_audio_buffer.commit"})
     assert (await communicator.receive_json_from(10))["type"] == "input_audio_buffer.committed"
@@ -261,8 +300,11 @@ async def test_the_realtime_buffer_is_capped_by_max_audio_secs(api, settings):
 
 async def test_it_refuses_a_nul_in_speech_input(api):
     response = await post_json(api, "/v1/audio/speech", {"model": TTS, "input": "a\u0000b"})
-    assert_invalid(response, "input", "Invalid value for input: Value error, must not contain NUL characters "
-                                      "(U+0000; the first at index 1)")
+    assert_invalid(
+        response,
+        "input",
+        "Invalid value for input: Value error, must not contain NUL characters (U+0000; the first at index 1)",
+    )
     # The same text without it is spoken.
     spoken = await post_json(api, "/v1/audio/speech", {"model": TTS, "input": "a b"})
     assert spoken.status_code == 200 and spoken["content-type"] == "audio/wav"

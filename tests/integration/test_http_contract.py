@@ -33,7 +33,11 @@ async def test_unknown_model_is_a_404_model_not_found(api):
     response = await post_json(api, URL, CHAT | {"model": "nope"})
     assert response.status_code == 404
     assert error_of(response) | {"message": ""} == {
-        "message": "", "type": "model_not_found", "param": "model", "code": "model_not_found"}
+        "message": "",
+        "type": "model_not_found",
+        "param": "model",
+        "code": "model_not_found",
+    }
 
 
 async def test_malformed_json_is_a_400(api):
@@ -79,7 +83,9 @@ async def test_a_wrong_method_is_a_json_405(api):
 
 
 async def test_loopback_origins_may_call_the_api(api):
-    response = await api.options(URL, headers={"origin": "http://localhost:5173", "access-control-request-method": "POST"})
+    response = await api.options(
+        URL, headers={"origin": "http://localhost:5173", "access-control-request-method": "POST"}
+    )
     assert response["access-control-allow-origin"] == "http://localhost:5173"
     assert "x-request-id" in response["access-control-expose-headers"]
 
@@ -100,7 +106,10 @@ async def test_a_missing_key_is_a_401_with_the_spec_body(api, settings):
     assert response["WWW-Authenticate"] == 'Bearer realm="hypnos"'
     assert error_of(response) == {
         "message": "Missing API key. Send it as `Authorization: Bearer <key>` (server.api_keys).",
-        "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_api_key",
+    }
 
 
 async def test_a_wrong_key_is_a_401_and_the_right_one_passes(api, settings):
@@ -158,7 +167,9 @@ async def test_while_staging_inference_is_a_503_with_retry_after(api, settings, 
 
 async def test_missing_weights_are_a_503_naming_the_file(api, settings, use_worker, tmp_path):
     config: HypnosConfig = settings.HYPNOS
-    worker = Worker(config.model_copy(update={"server": config.server.model_copy(update={"models_dir": str(tmp_path)})}))
+    worker = Worker(
+        config.model_copy(update={"server": config.server.model_copy(update={"models_dir": str(tmp_path)})})
+    )
     worker._staged.set()
     use_worker(worker)
     response = await post_json(api, URL, CHAT)

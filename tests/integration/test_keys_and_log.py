@@ -85,7 +85,11 @@ async def test_it_refuses_the_call_past_requests_per_minute_with_retry_after(api
     assert [r.status_code for r in statuses] == [200, 200, 429]
     refused = statuses[-1]
     assert error_of(refused) | {"message": ""} == {
-        "message": "", "type": "rate_limit_error", "param": None, "code": "requests_per_minute"}
+        "message": "",
+        "type": "rate_limit_error",
+        "param": None,
+        "code": "requests_per_minute",
+    }
     assert 1 <= int(refused["Retry-After"]) <= 60
     assert refused["x-request-id"].startswith("req-")
     # Another key has its own window.
@@ -161,12 +165,19 @@ async def test_a_stream_is_charged_when_it_ends(api, settings):
 
 
 async def test_a_key_restricted_to_models_gets_403_for_the_others(api, settings):
-    with_keys(settings, KeyConfig(key="sk-coder", label="coder", models=["qwen2.5-coder-0.5b"]),
-              KeyConfig(key="sk-mini", label="mini", models=["gpt-4o-mini"]))
+    with_keys(
+        settings,
+        KeyConfig(key="sk-coder", label="coder", models=["qwen2.5-coder-0.5b"]),
+        KeyConfig(key="sk-mini", label="mini", models=["gpt-4o-mini"]),
+    )
     refused = await post_json(api, URL, CHAT, **bearer("sk-coder"))
     assert refused.status_code == 403
     assert error_of(refused) | {"message": ""} == {
-        "message": "", "type": "permission_denied", "param": "model", "code": "model_not_allowed"}
+        "message": "",
+        "type": "permission_denied",
+        "param": "model",
+        "code": "model_not_allowed",
+    }
     # An alias in the list allows the model it names, under either name.
     assert (await post_json(api, URL, CHAT, **bearer("sk-mini"))).status_code == 200
     assert (await post_json(api, URL, CHAT | {"model": "gpt-4o-mini"}, **bearer("sk-mini"))).status_code == 200
@@ -180,7 +191,11 @@ async def test_the_model_of_a_multipart_call_is_checked_too(api, settings):
     refused = await api.post("/v1/audio/transcriptions", form, headers=bearer("sk-chat"))
     assert refused.status_code == 403 and error_of(refused)["code"] == "model_not_allowed"
     [record] = (await log_records(api))["records"]
-    assert (record["route"], record["model"], record["key"]) == ("/v1/audio/transcriptions", "an-stt-model", "chat-only")
+    assert (record["route"], record["model"], record["key"]) == (
+        "/v1/audio/transcriptions",
+        "an-stt-model",
+        "chat-only",
+    )
 
 
 async def test_a_database_key_carries_its_limits_and_models(api, settings):
@@ -217,7 +232,10 @@ async def test_every_call_is_logged_once_with_its_status_and_tokens(api, setting
     assert log["level"] == "info" and log["capacity"] == 200 and log["stored"] == 6
     by_id = {r["id"]: r for r in log["records"]}
     assert len(by_id) == 6
-    assert by_id[unauthenticated["x-request-id"]]["status"] == 401 and by_id[unauthenticated["x-request-id"]]["key"] is None
+    assert (
+        by_id[unauthenticated["x-request-id"]]["status"] == 401
+        and by_id[unauthenticated["x-request-id"]]["key"] is None
+    )
     for request_id, status, usage in made:
         record = by_id[request_id]
         assert record["status"] == status and record["key"] == "team"

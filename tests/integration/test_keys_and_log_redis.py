@@ -14,8 +14,8 @@ import pytest
 import redis
 
 from hypnos_site.config import KeyConfig
-from hypnos_site.metrics import RedisCounters, get_counters, observation
 from hypnos_site.errors import RateLimited
+from hypnos_site.metrics import RedisCounters, get_counters, observation
 from logs.store import levels
 from models_registry.authentication import ApiPrincipal
 from models_registry.quotas import Permit, RedisQuotas, get_quotas, secs_to_midnight
@@ -104,11 +104,19 @@ async def test_a_permit_whose_lease_ran_out_frees_its_slot(shared):
 
 async def test_the_counters_of_several_processes_add_up(shared):
     a, b = RedisCounters(LoopRedis(REDIS_URL)), RedisCounters(LoopRedis(REDIS_URL))
-    await a.record([observation("hypnos_api_key_tokens", 40, key="k"),
-                    observation("hypnos_http_request_latency_ms_max", 12.5, route="/v1/x")])
-    await b.record([observation("hypnos_api_key_tokens", 2, key="k"),
-                    observation("hypnos_http_request_latency_ms_max", 3.0, route="/v1/x"),
-                    observation("hypnos_chat_ttft_ms", 30, model="m")])
+    await a.record(
+        [
+            observation("hypnos_api_key_tokens", 40, key="k"),
+            observation("hypnos_http_request_latency_ms_max", 12.5, route="/v1/x"),
+        ]
+    )
+    await b.record(
+        [
+            observation("hypnos_api_key_tokens", 2, key="k"),
+            observation("hypnos_http_request_latency_ms_max", 3.0, route="/v1/x"),
+            observation("hypnos_chat_ttft_ms", 30, model="m"),
+        ]
+    )
     snapshot = await a.snapshot()
     assert snapshot == await b.snapshot()
     assert snapshot["hypnos_api_key_tokens"][(("key", "k"),)] == {"value": 42.0}

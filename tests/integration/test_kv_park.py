@@ -33,10 +33,12 @@ def evaluated(monkeypatch) -> list[int]:
 
 @pytest.fixture
 def parking_worker(settings, serve) -> Worker:
-    config = settings.HYPNOS.model_copy(update={
-        "models": settings.HYPNOS.models[:1],
-        "hardware": settings.HYPNOS.hardware.model_copy(update={"kv_park": True}),
-    })
+    config = settings.HYPNOS.model_copy(
+        update={
+            "models": settings.HYPNOS.models[:1],
+            "hardware": settings.HYPNOS.hardware.model_copy(update={"kv_park": True}),
+        }
+    )
     return serve(config)
 
 
@@ -47,7 +49,9 @@ async def turn(api, messages: list[dict]) -> dict:
 
 
 async def swap_out_and_back(api) -> None:
-    assert (await post_json(api, "/v1/memory/tier", {"model": SMOL, "target_tier": "tier2_pinned_ram"})).status_code == 200
+    assert (
+        await post_json(api, "/v1/memory/tier", {"model": SMOL, "target_tier": "tier2_pinned_ram"})
+    ).status_code == 200
 
 
 async def test_a_parked_conversation_evaluates_only_its_new_tokens(api, parking_worker, evaluated):
@@ -93,11 +97,13 @@ async def test_the_cap_and_the_switch_apply_at_once(api, parking_worker):
 
 
 def parking_config(settings, slots: int = 1, idle_secs: float | None = None):
-    return settings.HYPNOS.model_copy(update={
-        "models": [settings.HYPNOS.models[0].model_copy(update={"slots": slots})],
-        "hardware": settings.HYPNOS.hardware.model_copy(update={"kv_park": True}),
-        "server": settings.HYPNOS.server.model_copy(update={"kv_idle_timeout_secs": idle_secs}),
-    })
+    return settings.HYPNOS.model_copy(
+        update={
+            "models": [settings.HYPNOS.models[0].model_copy(update={"slots": slots})],
+            "hardware": settings.HYPNOS.hardware.model_copy(update={"kv_park": True}),
+            "server": settings.HYPNOS.server.model_copy(update={"kv_idle_timeout_secs": idle_secs}),
+        }
+    )
 
 
 @pytest.fixture
@@ -128,8 +134,10 @@ async def test_a_conversation_idle_past_the_timeout_is_emptied_and_not_parked(ap
 
 async def test_every_used_slot_is_parked_and_restored_to_its_sequence(api, two_slot_worker):
     # Both requests run at once, so each holds its own slot (sequence 0 and 1).
-    conversations = [[SYSTEM, {"role": "user", "content": "List five fruits and say why you like each."}],
-                     [SYSTEM, {"role": "user", "content": "List five countries and their capitals."}]]
+    conversations = [
+        [SYSTEM, {"role": "user", "content": "List five fruits and say why you like each."}],
+        [SYSTEM, {"role": "user", "content": "List five countries and their capitals."}],
+    ]
     bodies = [{"model": SMOL, "messages": c, "max_tokens": 40, "temperature": 0} for c in conversations]
     firsts = [r.json() for r in await asyncio.gather(*[post_json(api, URL, b) for b in bodies])]
     assert max(f["hypnos_telemetry"]["engine"]["concurrent_slots"] for f in firsts) == 2

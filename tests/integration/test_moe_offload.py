@@ -189,8 +189,14 @@ def tiny_moe(tmp_path_factory) -> Path:
 
 
 def moe_config(weights: Path) -> ModelConfig:
-    return ModelConfig(id=MOE, modality="text_generation", engine="ggml_llama", weights_path=str(weights),
-                       context_len=512, initial_tier="tier1_gpu_vram")
+    return ModelConfig(
+        id=MOE,
+        modality="text_generation",
+        engine="ggml_llama",
+        weights_path=str(weights),
+        context_len=512,
+        initial_tier="tier1_gpu_vram",
+    )
 
 
 def answer(engine: LlamaEngine) -> str:
@@ -231,10 +237,12 @@ def test_the_experts_of_the_offloaded_layers_load_into_host_memory_and_the_answe
 def moe_worker(settings, serve, tiny_moe) -> Worker:
     """The tiny MoE alone, with a tier-1 budget one byte short of holding it whole at 512 tokens."""
     budget = footprint_from_gguf(tiny_moe).resident_bytes(512) - 1
-    config = settings.HYPNOS.model_copy(update={
-        "models": [moe_config(tiny_moe)],
-        "hardware": settings.HYPNOS.hardware.model_copy(update={"simulated_vram_bytes": budget}),
-    })
+    config = settings.HYPNOS.model_copy(
+        update={
+            "models": [moe_config(tiny_moe)],
+            "hardware": settings.HYPNOS.hardware.model_copy(update={"simulated_vram_bytes": budget}),
+        }
+    )
     return serve(config)
 
 

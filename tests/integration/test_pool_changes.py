@@ -22,8 +22,12 @@ pytestmark = pytest.mark.django_db(transaction=True)
 SMOL, QWEN = "smollm2-135m", "qwen2.5-coder-0.5b"
 QWEN_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 URL = "/v1/chat/completions"
-STORY = {"model": SMOL, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
-         "max_tokens": 64, "stream": True}
+STORY = {
+    "model": SMOL,
+    "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+    "max_tokens": 64,
+    "stream": True,
+}
 ADMIN = "sk-admin-test"
 
 
@@ -35,8 +39,14 @@ def pool(settings, serve) -> Worker:
 
 
 def qwen_block(**extra: Any) -> str:
-    lines = ["[[models]]", 'id = "my-qwen"', 'modality = "text_generation"', 'engine = "ggml_llama"',
-             f'weights_path = "{QWEN_FILE}"', "context_len = 2048"]
+    lines = [
+        "[[models]]",
+        'id = "my-qwen"',
+        'modality = "text_generation"',
+        'engine = "ggml_llama"',
+        f'weights_path = "{QWEN_FILE}"',
+        "context_len = 2048",
+    ]
     lines += [f"{key} = {json.dumps(value)}" for key, value in extra.items()]
     return "\n".join(lines) + "\n"
 
@@ -79,19 +89,24 @@ async def test_a_config_block_is_added_under_its_own_id_with_its_arch_read_from_
     assert (await chat(api, "coder")).status_code == 200
 
 
-@pytest.mark.parametrize(("body", "reason"), [
-    ({"config": qwen_block().replace(QWEN_FILE, "../outside.gguf")}, "is outside models_dir"),
-    ({"config": qwen_block().replace(QWEN_FILE, "nothing-here.gguf")}, "does not exist in models_dir"),
-    ({"config": qwen_block() + "[models.arch]\narchitecture = \"llama\"\n"},
-     "[models.arch] architecture = 'llama', but the GGUF reports 'qwen2'"),
-    ({"config": qwen_block(slots=0)}, "models.slots"),
-    ({"config": "[[models]]\nid = \"x\"\n[[models]]\nid = \"y\"\n"}, "exactly one [[models]] block"),
-    ({"config": "not toml ["}, "not valid TOML"),
-    ({"catalog": "qwen2.5-coder-0.5b:Q9_X"}, "has no variant 'Q9_X'"),
-    ({"catalog": "no-such-model"}, "is not in the catalog"),
-    ({"catalog": SMOL}, "is already taken by the model"),
-    ({"catalog": QWEN, "config": qwen_block()}, "either catalog"),
-])
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"config": qwen_block().replace(QWEN_FILE, "../outside.gguf")}, "is outside models_dir"),
+        ({"config": qwen_block().replace(QWEN_FILE, "nothing-here.gguf")}, "does not exist in models_dir"),
+        (
+            {"config": qwen_block() + '[models.arch]\narchitecture = "llama"\n'},
+            "[models.arch] architecture = 'llama', but the GGUF reports 'qwen2'",
+        ),
+        ({"config": qwen_block(slots=0)}, "models.slots"),
+        ({"config": '[[models]]\nid = "x"\n[[models]]\nid = "y"\n'}, "exactly one [[models]] block"),
+        ({"config": "not toml ["}, "not valid TOML"),
+        ({"catalog": "qwen2.5-coder-0.5b:Q9_X"}, "has no variant 'Q9_X'"),
+        ({"catalog": "no-such-model"}, "is not in the catalog"),
+        ({"catalog": SMOL}, "is already taken by the model"),
+        ({"catalog": QWEN, "config": qwen_block()}, "either catalog"),
+    ],
+)
 async def test_a_model_that_fails_the_checks_is_refused_with_the_reason(api, pool, body, reason):
     refused = await post_json(api, "/v1/models", body)
     assert refused.status_code == 400, refused.content
@@ -104,8 +119,14 @@ async def test_a_model_that_fails_the_checks_is_refused_with_the_reason(api, poo
 def tiny_gguf(path: Path, architecture: str) -> None:
     """A GGUF holding nothing but its general.architecture."""
     key, value = b"general.architecture", architecture.encode()
-    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
-                     + struct.pack("<IQ", 8, len(value)) + value)
+    path.write_bytes(
+        b"GGUF"
+        + struct.pack("<IQQ", 3, 0, 1)
+        + struct.pack("<Q", len(key))
+        + key
+        + struct.pack("<IQ", 8, len(value))
+        + value
+    )
 
 
 async def test_a_gguf_of_an_untested_architecture_is_refused(api, pool, settings, tmp_path):
@@ -226,11 +247,14 @@ async def test_options_layer_defaults_config_and_saved_and_apply_at_once(api, po
     assert pool.models[SMOL].config.context_len == 2048
 
 
-@pytest.mark.parametrize(("body", "reason"), [
-    ({"nope": 1}, "unknown option 'nope'"),
-    ({"slots": 0}, "slots"),
-    ({"temperature": 9}, "temperature"),
-])
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"nope": 1}, "unknown option 'nope'"),
+        ({"slots": 0}, "slots"),
+        ({"temperature": 9}, "temperature"),
+    ],
+)
 async def test_options_that_do_not_validate_are_refused(api, pool, body, reason):
     refused = await post_json(api, f"/v1/models/{SMOL}/options", body)
     assert refused.status_code == 400 and reason in refused.json()["error"]["message"]

@@ -20,8 +20,11 @@ OFF = {SMOL: "smollm2-off", PIPER: "piper-off"}
 TOO_LONG = "hello " * 9500  # ~9500 tokens, beyond SmolLM2's trained 8192
 
 ROUTES = {
-    "chat": ("/v1/chat/completions", SMOL, lambda text: {"messages": [{"role": "user", "content": text}],
-                                                          "max_tokens": 2}),
+    "chat": (
+        "/v1/chat/completions",
+        SMOL,
+        lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 2},
+    ),
     "completions": ("/v1/completions", SMOL, lambda text: {"prompt": text, "max_tokens": 2}),
     "responses": ("/v1/responses", SMOL, lambda text: {"input": text, "max_output_tokens": 2}),
     "speech": ("/v1/audio/speech", PIPER, lambda text: {"input": text, "voice": "alloy", "response_format": "wav"}),
@@ -37,8 +40,12 @@ REFUSALS = {
     "model_busy": (429, "model_busy", "model_busy", None),
 }
 CONTEXT_PARAM = {"chat": "messages", "completions": "prompt", "responses": "input"}
-INVALID = {"chat": ({"temperature": 9}, "temperature"), "completions": ({"top_p": 0}, "top_p"),
-           "responses": ({"temperature": "hot"}, "temperature"), "speech": ({"speed": 9}, "speed")}
+INVALID = {
+    "chat": ({"temperature": 9}, "temperature"),
+    "completions": ({"top_p": 0}, "top_p"),
+    "responses": ({"temperature": "hot"}, "temperature"),
+    "speech": ({"speed": 9}, "speed"),
+}
 
 
 def lineup(config: HypnosConfig, **hardware: Any) -> HypnosConfig:
@@ -46,8 +53,7 @@ def lineup(config: HypnosConfig, **hardware: Any) -> HypnosConfig:
     base = {m.id: m for m in config.models}
     models = [base[SMOL], base[PIPER], base[MINILM]]
     models += [base[name].model_copy(update={"id": off, "aliases": [], "enabled": False}) for name, off in OFF.items()]
-    return config.model_copy(update={"models": models,
-                                     "hardware": config.hardware.model_copy(update=hardware)})
+    return config.model_copy(update={"models": models, "hardware": config.hardware.model_copy(update=hardware)})
 
 
 @pytest.fixture

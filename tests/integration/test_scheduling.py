@@ -29,8 +29,9 @@ async def test_a_deadline_the_queue_cannot_meet_is_refused_at_once(api, worker, 
     busy = await post_json(api, URL, {"model": SMOL, "messages": LONG_STORY, "max_tokens": 2000, "stream": True})
     reader = asyncio.create_task(_drain(busy))
     try:
-        refused = await post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES},
-                                  **{"x-hypnos-deadline-ms": "1"})
+        refused = await post_json(
+            api, URL, {"model": SMOL, "messages": PARIS_MESSAGES}, **{"x-hypnos-deadline-ms": "1"}
+        )
         assert refused.status_code == 503
         assert refused.json()["error"]["type"] == "deadline_unmeetable"
         assert int(refused["Retry-After"]) >= 1
@@ -57,14 +58,19 @@ async def test_the_next_model_is_loaded_while_this_request_runs(api, settings, u
     assert worker.wait_ready(60)
     try:
         assert worker.tiers.entries[QWEN].tier == "tier3_nvme_ssd"
-        response = await post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 2},
-                                   **{"x-hypnos-next-model": QWEN})
+        response = await post_json(
+            api, URL, {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 2}, **{"x-hypnos-next-model": QWEN}
+        )
         assert response.status_code == 200
         assert await wait_until(lambda: worker.tiers.entries[QWEN].tier == "tier1_gpu_vram", timeout=60)
         telemetry = (await post_json(api, URL, {"model": QWEN, "messages": PARIS_MESSAGES, "max_tokens": 2})).json()
         assert telemetry["hypnos_telemetry"]["previous_tier"] == "tier1_gpu_vram"
-        unknown = await post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 2},
-                                  **{"x-hypnos-next-model": "no-such-model"})
+        unknown = await post_json(
+            api,
+            URL,
+            {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 2},
+            **{"x-hypnos-next-model": "no-such-model"},
+        )
         assert unknown.status_code == 200
     finally:
         worker.shutdown()
@@ -73,8 +79,13 @@ async def test_the_next_model_is_loaded_while_this_request_runs(api, settings, u
 async def test_a_workflow_is_timed_from_its_first_start_to_its_last_byte(api):
     headers = {"x-hypnos-workflow": "voice_turn/turn-1"}
     first = await post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 2}, **headers)
-    second = await post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 2, "stream": True},
-                             **headers, **{"x-hypnos-workflow-end": "true"})
+    second = await post_json(
+        api,
+        URL,
+        {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 2, "stream": True},
+        **headers,
+        **{"x-hypnos-workflow-end": "true"},
+    )
     await _drain(second)
     assert first.status_code == second.status_code == 200
     workflows = (await api.get("/v1/memory/status")).json()["latency"]["workflows"]
@@ -85,22 +96,30 @@ async def test_a_workflow_is_timed_from_its_first_start_to_its_last_byte(api):
 async def test_a_shedding_profile_refuses_what_its_objective_cannot_meet(api, settings, use_worker):
     from hypnos_site.config import ProfileConfig
 
-    profile = ProfileConfig.model_validate({"name": "voice_assistant",
-                                            "objective": {"metric": "first_token", "target_ms": 1}})
-    config = settings.HYPNOS.model_copy(update={
-        "models": settings.HYPNOS.models[:2],
-        "server": settings.HYPNOS.server.model_copy(update={"profile": profile}),
-        "limits": settings.HYPNOS.limits.model_copy(update={"overload": "shed"}),
-    })
+    profile = ProfileConfig.model_validate(
+        {"name": "voice_assistant", "objective": {"metric": "first_token", "target_ms": 1}}
+    )
+    config = settings.HYPNOS.model_copy(
+        update={
+            "models": settings.HYPNOS.models[:2],
+            "server": settings.HYPNOS.server.model_copy(update={"profile": profile}),
+            "limits": settings.HYPNOS.limits.model_copy(update={"overload": "shed"}),
+        }
+    )
     worker = use_worker(Worker(config))
     worker.start()
     assert worker.wait_ready(60)
     try:
         # SmolLM2 is resident (no wait); Qwen would need a load, beyond the 1 ms objective.
-        assert (await post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 1})).status_code == 200
+        assert (
+            await post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 1})
+        ).status_code == 200
         shed = await post_json(api, URL, {"model": QWEN, "messages": PARIS_MESSAGES, "max_tokens": 1})
         assert shed.status_code == 503 and shed.json()["error"]["type"] == "deadline_unmeetable"
         status = (await api.get("/v1/memory/status")).json()
-        assert status["profile"] == {"name": "voice_assistant", "objective": {"metric": "first_token", "target_ms": 1.0}}
+        assert status["profile"] == {
+            "name": "voice_assistant",
+            "objective": {"metric": "first_token", "target_ms": 1.0},
+        }
     finally:
         worker.shutdown()

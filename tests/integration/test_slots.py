@@ -21,23 +21,32 @@ TOPICS = [("apple", "banana", "orange", "fruit"), ("snow",), ("cpu", "processor"
 @pytest.fixture
 def three_slots(settings, serve) -> Worker:
     model = settings.HYPNOS.models[0].model_copy(update={"slots": 3})
-    config = settings.HYPNOS.model_copy(update={
-        "models": [model], "limits": settings.HYPNOS.limits.model_copy(update={"max_queue_per_model": 4})})
+    config = settings.HYPNOS.model_copy(
+        update={"models": [model], "limits": settings.HYPNOS.limits.model_copy(update={"max_queue_per_model": 4})}
+    )
     return serve(config)
 
 
 def request(prompt: str, **extra: object) -> dict:
-    return {"model": SMOL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 24,
-            "temperature": 0, **extra}
+    return {
+        "model": SMOL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 24,
+        "temperature": 0,
+        **extra,
+    }
 
 
 async def test_four_streams_on_three_slots_batch_three_and_queue_one(api, three_slots):
     together = await asyncio.gather(*[post_json(api, URL, request(p, stream=True)) for p in PROMPTS])
     finals = []
-    for response, topics in zip(together, TOPICS):
-        events = [line for line in b"".join([c async for c in response.streaming_content]).decode().split("\n\n")
-                  if line.startswith("data: {")]
-        chunks = [json.loads(e[len("data: "):]) for e in events]
+    for response, topics in zip(together, TOPICS, strict=False):
+        events = [
+            line
+            for line in b"".join([c async for c in response.streaming_content]).decode().split("\n\n")
+            if line.startswith("data: {")
+        ]
+        chunks = [json.loads(e[len("data: ") :]) for e in events]
         text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
         assert any(topic in text.lower() for topic in topics), text
         finals.append(chunks[-1])
@@ -64,8 +73,12 @@ async def test_a_slot_reuses_its_conversation_prefix(api, three_slots):
 
 
 async def test_a_cancelled_request_frees_its_slot_at_once(api, three_slots):
-    body = {"model": SMOL, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
-            "max_tokens": 2000, "stream": True}
+    body = {
+        "model": SMOL,
+        "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+        "max_tokens": 2000,
+        "stream": True,
+    }
     responses = [await post_json(api, URL, body) for _ in range(3)]
     chunks: list[list[bytes]] = [[], [], []]
 

@@ -37,10 +37,19 @@ def thinker(request, settings, serve) -> Worker:
     """SmolLM2 twice: as configured (no thinking format) and as `smollm2-thinking` (on
     request.param execution slots)."""
     smol = next(m for m in settings.HYPNOS.models if m.id == SMOL)
-    thinker = smol.model_copy(update={"id": THINKER, "aliases": [], "thinking": "think_tags", "slots": request.param,
-                                      "initial_tier": "tier3_nvme_ssd", "speech_to_text_model": None})
-    config = settings.HYPNOS.model_copy(update={
-        "models": [smol, thinker], "limits": settings.HYPNOS.limits.model_copy(update={"max_tokens_cap": 1024})})
+    thinker = smol.model_copy(
+        update={
+            "id": THINKER,
+            "aliases": [],
+            "thinking": "think_tags",
+            "slots": request.param,
+            "initial_tier": "tier3_nvme_ssd",
+            "speech_to_text_model": None,
+        }
+    )
+    config = settings.HYPNOS.model_copy(
+        update={"models": [smol, thinker], "limits": settings.HYPNOS.limits.model_copy(update={"max_tokens_cap": 1024})}
+    )
     settings.HYPNOS = config
     return serve(config)
 
@@ -110,10 +119,10 @@ async def test_a_model_without_a_thinking_format_ignores_the_fields(api, thinker
 async def test_the_openai_sdk_reads_reasoning_content(thinker):
     transport = httpx.ASGITransport(app=get_asgi_application())
     async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
-        client = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http,
-                                    max_retries=0)
+        client = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
         completion = await client.chat.completions.create(
-            model=THINKER, messages=LONG, max_tokens=64, temperature=0, extra_body={"think": True})
+            model=THINKER, messages=LONG, max_tokens=64, temperature=0, extra_body={"think": True}
+        )
     message = completion.choices[0].message
     # reasoning_content is a Hypnos field: the SDK keeps it among the message's extra fields.
     thoughts = (message.model_extra or {}).get("reasoning_content")
@@ -122,8 +131,14 @@ async def test_the_openai_sdk_reads_reasoning_content(thinker):
 
 
 async def test_a_streamed_response_carries_the_thoughts_as_a_reasoning_item_before_the_message(api, thinker):
-    body = {"model": THINKER, "input": SHORT[0]["content"], "max_output_tokens": 64, "temperature": 0,
-            "reasoning": {"effort": "low"}, "stream": True}
+    body = {
+        "model": THINKER,
+        "input": SHORT[0]["content"],
+        "max_output_tokens": 64,
+        "temperature": 0,
+        "reasoning": {"effort": "low"},
+        "stream": True,
+    }
     response = await post_json(api, "/v1/responses", body)
     raw = b"".join([chunk async for chunk in response.streaming_content]).decode()
     # Named events: "event: <type>" then "data: <json>".

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from hypnos_site.config import HypnosConfig
-from inference.engines.llama import LlamaEngine
 from hypnos_site.errors import DeviceOutOfMemory
+from inference.engines.llama import LlamaEngine
 from inference.worker import Worker
 from memory.device import process_memory_bytes
 from tests.conftest import PARIS_MESSAGES
@@ -30,12 +30,15 @@ LONG_STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
 
 def tight_config(config: HypnosConfig, **hardware: object) -> HypnosConfig:
     models = [m.model_copy(update={"initial_tier": "tier3_nvme_ssd", "context_len": 2048}) for m in config.models[:2]]
-    return config.model_copy(update={
-        "hardware": config.hardware.model_copy(update={
-            "simulated_vram_bytes": ONE_MODEL_BUDGET, "min_gpu_layer_ratio": 1.0, **hardware}),
-        "limits": config.limits.model_copy(update={"max_queue_per_model": 24, "max_tokens_cap": 2000}),
-        "models": models,
-    })
+    return config.model_copy(
+        update={
+            "hardware": config.hardware.model_copy(
+                update={"simulated_vram_bytes": ONE_MODEL_BUDGET, "min_gpu_layer_ratio": 1.0, **hardware}
+            ),
+            "limits": config.limits.model_copy(update={"max_queue_per_model": 24, "max_tokens_cap": 2000}),
+            "models": models,
+        }
+    )
 
 
 def started(worker: Worker) -> Worker:
@@ -86,18 +89,23 @@ async def test_alternating_models_are_all_served_and_each_switch_is_reported(api
     status = await memory_status(api)
     evictions = status["recent_evictions"]
     assert [(e["model"], e["for_model"], e["to_tier"]) for e in evictions[:2]] == [
-        (QWEN, SMOL, "tier2_pinned_ram"), (SMOL, QWEN, "tier2_pinned_ram")]
+        (QWEN, SMOL, "tier2_pinned_ram"),
+        (SMOL, QWEN, "tier2_pinned_ram"),
+    ]
     assert all(e["reason"] == "full_gpu_placement" for e in evictions[:2])
     tiers = {m["id"]: m["current_tier"] for m in status["models"]}
     assert tiers == {SMOL: "tier1_gpu_vram", QWEN: "tier2_pinned_ram"}
 
 
 async def test_twenty_concurrent_requests_load_the_model_once(api, tight):
-    responses = await asyncio.gather(*[post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 1})
-                                       for _ in range(20)])
+    responses = await asyncio.gather(
+        *[post_json(api, URL, {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 1}) for _ in range(20)]
+    )
     assert [r.status_code for r in responses] == [200] * 20
     assert tight.models[SMOL].loads == 1
-    switched = [r.json()["hypnos_telemetry"] for r in responses if r.json()["hypnos_telemetry"]["tier_switch_latency_ms"]]
+    switched = [
+        r.json()["hypnos_telemetry"] for r in responses if r.json()["hypnos_telemetry"]["tier_switch_latency_ms"]
+    ]
     assert len(switched) == 1 and switched[0]["previous_tier"] == "tier3_nvme_ssd"
 
 
@@ -171,14 +179,19 @@ async def test_the_status_byte_counters_add_up(api, tight):
     caps = status["capabilities"]
     assert caps["simulated"] is True and caps["usable_vram_budget_bytes"] == ONE_MODEL_BUDGET
     models = {m["id"]: m for m in status["models"]}
-    tier1 = sum(m["placement"]["vram_weight_bytes"] + m["placement"]["vram_kv_and_workspace_bytes"]
-                for m in models.values() if m["current_tier"] == "tier1_gpu_vram")
+    tier1 = sum(
+        m["placement"]["vram_weight_bytes"] + m["placement"]["vram_kv_and_workspace_bytes"]
+        for m in models.values()
+        if m["current_tier"] == "tier1_gpu_vram"
+    )
     tier2 = sum(m["placement"]["pinned_ram_bytes"] for m in models.values())
     assert status["tier1_vram_used_bytes"] == tier1 > 0
     assert status["tier1_vram_free_bytes"] == ONE_MODEL_BUDGET - tier1
     assert status["tier1_vram_effective_free_bytes"] == status["tier1_vram_free_bytes"]
     assert status["tier2_pinned_ram_used_bytes"] == tier2 == models[QWEN]["total_weight_bytes"]
-    assert status["tier2_pinned_ram_used_bytes"] + status["tier2_pinned_ram_free_bytes"] == caps["pinned_ram_budget_bytes"]
+    assert (
+        status["tier2_pinned_ram_used_bytes"] + status["tier2_pinned_ram_free_bytes"] == caps["pinned_ram_budget_bytes"]
+    )
     assert status["process_memory_bytes"] > tier1
     assert models[SMOL]["requests_per_minute"] > 0 and models[SMOL]["total_requests_served"] == 1
     assert models[QWEN]["reload_estimate_ms"] > 0
@@ -190,13 +203,17 @@ async def test_memory_tier_moves_a_model_by_hand(api, tight):
     assert moved.status_code == 200
     assert moved.json() == {"model": QWEN, "placement": tight.tiers.entries[QWEN].placement.as_dict()}
     assert moved.json()["placement"]["primary_tier"] == "tier2_pinned_ram"
-    up = (await post_json(api, "/v1/memory/tier", {"model": QWEN, "target_tier": "tier1_gpu_vram", "context_len": 3072})).json()
+    up = (
+        await post_json(api, "/v1/memory/tier", {"model": QWEN, "target_tier": "tier1_gpu_vram", "context_len": 3072})
+    ).json()
     assert up["placement"]["primary_tier"] == "tier1_gpu_vram" and up["placement"]["allocated_context_len"] == 3072
     telemetry = (await chat(api, QWEN))["hypnos_telemetry"]
     assert telemetry["previous_tier"] == "tier1_gpu_vram" and telemetry["tier_switch_latency_ms"] == 0.0
     down = (await post_json(api, "/v1/memory/tier", {"model": QWEN, "target_tier": "tier3_nvme_ssd"})).json()
     assert down["placement"]["primary_tier"] == "tier3_nvme_ssd"
-    assert (await post_json(api, "/v1/memory/tier", {"model": "nope", "target_tier": "tier1_gpu_vram"})).status_code == 404
+    assert (
+        await post_json(api, "/v1/memory/tier", {"model": "nope", "target_tier": "tier1_gpu_vram"})
+    ).status_code == 404
     bad = await post_json(api, "/v1/memory/tier", {"model": QWEN, "target_tier": "tier9"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "target_tier"
 

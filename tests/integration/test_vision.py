@@ -101,16 +101,28 @@ def projector(tmp_path_factory) -> Path:
 def seeing(settings, serve, projector) -> Worker:
     """SmolLM2 twice: as configured (no projector) and as `smollm2-seeing` with the tiny projector."""
     smol = next(m for m in settings.HYPNOS.models if m.id == SMOL)
-    seeing = smol.model_copy(update={"id": SEEING, "aliases": [], "aux_path": str(projector),
-                                     "initial_tier": "tier3_nvme_ssd", "speech_to_text_model": None})
+    seeing = smol.model_copy(
+        update={
+            "id": SEEING,
+            "aliases": [],
+            "aux_path": str(projector),
+            "initial_tier": "tier3_nvme_ssd",
+            "speech_to_text_model": None,
+        }
+    )
     config = settings.HYPNOS.model_copy(update={"models": [smol, seeing]})
     settings.HYPNOS = config
     return serve(config)
 
 
 def ask(model: str, *parts: dict, **extra: object) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": list(parts)}], "max_tokens": 12,
-            "temperature": 0, **extra}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": list(parts)}],
+        "max_tokens": 12,
+        "temperature": 0,
+        **extra,
+    }
 
 
 TEXT = {"type": "text", "text": "Describe the picture."}
@@ -171,8 +183,9 @@ async def test_a_model_without_a_projector_answers_400(api, seeing):
 async def test_a_bad_image_answers_400(api, seeing, settings):
     response = await post_json(api, URL, ask(SEEING, image("data:image/png;base64,aGVsbG8="), TEXT))
     assert response.status_code == 400 and "image" in response.json()["error"]["message"]
-    settings.HYPNOS = settings.HYPNOS.model_copy(update={"limits": settings.HYPNOS.limits.model_copy(
-        update={"max_image_bytes": 64})})
+    settings.HYPNOS = settings.HYPNOS.model_copy(
+        update={"limits": settings.HYPNOS.limits.model_copy(update={"max_image_bytes": 64})}
+    )
     response = await post_json(api, URL, ask(SEEING, image(png_data_url()), TEXT))
     assert response.status_code == 400 and "max_image_bytes" in response.json()["error"]["message"]
 

@@ -26,8 +26,11 @@ def memfds() -> set[str]:
 
 def test_shutdown_closes_the_warm_copies(settings) -> None:  # type: ignore[no-untyped-def]
     before = memfds()
-    config = settings.HYPNOS.model_copy(update={"models": [
-        m.model_copy(update={"initial_tier": "tier2_pinned_ram"}) for m in settings.HYPNOS.models[:1]]})
+    config = settings.HYPNOS.model_copy(
+        update={
+            "models": [m.model_copy(update={"initial_tier": "tier2_pinned_ram"}) for m in settings.HYPNOS.models[:1]]
+        }
+    )
     worker = Worker(config)
     worker.start()
     assert worker.wait_ready(60)

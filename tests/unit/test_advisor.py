@@ -110,17 +110,43 @@ def test_given_vram_means_a_discrete_gpu_unless_unified_is_said():
 # -- the choice, on synthetic catalogs ----------------------------------------------------------
 
 
-def entry(model_id: str, modality: str, params: int, weights: int, *, layers: int = 0, kv: int = 0,
-          workspace: int = 0, context: int = 4096, engine: str = "ggml_llama") -> dict[str, Any]:
+def entry(
+    model_id: str,
+    modality: str,
+    params: int,
+    weights: int,
+    *,
+    layers: int = 0,
+    kv: int = 0,
+    workspace: int = 0,
+    context: int = 4096,
+    engine: str = "ggml_llama",
+) -> dict[str, Any]:
     return {
-        "id": model_id, "name": model_id, "publisher": "test", "license": "mit", "architecture": "llama",
-        "modality": modality, "engine": engine, "summary": "synthetic",
-        "variants": [{
-            "quant": "Q8_0", "default": True, "context_len": context,
-            "estimate": {"params": params, "num_layers": layers, "kv_bytes_per_token": kv,
-                         "workspace_bytes": workspace},
-            "files": [{"role": "weights", "package": f"{model_id}==1", "local": f"{model_id}.bin", "size": weights}],
-        }],
+        "id": model_id,
+        "name": model_id,
+        "publisher": "test",
+        "license": "mit",
+        "architecture": "llama",
+        "modality": modality,
+        "engine": engine,
+        "summary": "synthetic",
+        "variants": [
+            {
+                "quant": "Q8_0",
+                "default": True,
+                "context_len": context,
+                "estimate": {
+                    "params": params,
+                    "num_layers": layers,
+                    "kv_bytes_per_token": kv,
+                    "workspace_bytes": workspace,
+                },
+                "files": [
+                    {"role": "weights", "package": f"{model_id}==1", "local": f"{model_id}.bin", "size": weights}
+                ],
+            }
+        ],
     }
 
 
@@ -128,8 +154,10 @@ def catalog(*entries: dict[str, Any]) -> Catalog:
     return Catalog.model_validate({"catalog_version": 1, "tested_architectures": ["llama"], "models": list(entries)})
 
 
-SPEECH = [entry("stt", "speech_to_text", 40_000_000, 300 * MIB, engine="ggml_whisper"),
-          entry("tts", "text_to_speech", 80_000_000, 300 * MIB, engine="onnx_runtime")]
+SPEECH = [
+    entry("stt", "speech_to_text", 40_000_000, 300 * MIB, engine="ggml_whisper"),
+    entry("tts", "text_to_speech", 80_000_000, 300 * MIB, engine="onnx_runtime"),
+]
 GPU_2G = Machine(vram_bytes=2 * GIB + 512 * MIB, ram_bytes=16 * GIB, unified_memory=False)  # tier 1: 2 GiB
 
 
@@ -139,8 +167,12 @@ def chat(model_id: str, params: int, mib: int, **kw: Any) -> dict[str, Any]:
 
 def test_a_much_larger_chat_model_wins_over_keeping_the_voice_models_resident(no_files):
     # big (1.9 GiB) leaves no room for the speech models; small fits with them.
-    advice = recommend(catalog(chat("big", 4_000_000_000, 1900), chat("small", 1_000_000_000, 1200), *SPEECH),
-                       ["voice"], GPU_2G, no_files)
+    advice = recommend(
+        catalog(chat("big", 4_000_000_000, 1900), chat("small", 1_000_000_000, 1200), *SPEECH),
+        ["voice"],
+        GPU_2G,
+        no_files,
+    )
     models = by_id(advice)
     assert "big" in models and models["big"]["initial_tier"] == "tier1_gpu_vram"
     assert advice.plan.coresident is False
@@ -148,8 +180,12 @@ def test_a_much_larger_chat_model_wins_over_keeping_the_voice_models_resident(no
 
 
 def test_keeping_the_voice_models_resident_beats_a_slightly_larger_chat_model(no_files):
-    advice = recommend(catalog(chat("big", 1_200_000_000, 1900), chat("small", 1_000_000_000, 1200), *SPEECH),
-                       ["voice"], GPU_2G, no_files)
+    advice = recommend(
+        catalog(chat("big", 1_200_000_000, 1900), chat("small", 1_000_000_000, 1200), *SPEECH),
+        ["voice"],
+        GPU_2G,
+        no_files,
+    )
     assert set(by_id(advice)) == {"small", "stt", "tts"} and advice.plan.coresident is True
 
 
@@ -166,14 +202,16 @@ def test_a_chat_model_gets_8k_context_when_that_keeps_the_lineup_resident(no_fil
 def test_a_chat_model_that_only_partly_fits_is_split_and_scored_down(no_files):
     # 10 layers of 250 MiB in a 2 GiB tier 1: 8 fit, worth 3B * 0.75 * 8/10 = 1.8B; a whole 1.4B
     # model with the resident bonus is worth 1.75B, so the split model wins, with a warning.
-    advice = recommend(catalog(chat("huge", 3_000_000_000, 2500), chat("mid", 1_400_000_000, 1500)),
-                       ["chat"], GPU_2G, no_files)
+    advice = recommend(
+        catalog(chat("huge", 3_000_000_000, 2500), chat("mid", 1_400_000_000, 1500)), ["chat"], GPU_2G, no_files
+    )
     [model] = advice.as_dict()["models"]
     assert model["id"] == "huge" and (model["gpu_layers"], model["num_layers"]) == (8, 10)
     assert any("only 8 of 10 layers fit tier 1" in w for w in advice.warnings)
     # A model as large as the split one's worth goes whole instead.
-    advice = recommend(catalog(chat("huge", 3_000_000_000, 2500), chat("mid", 1_900_000_000, 1500)),
-                       ["chat"], GPU_2G, no_files)
+    advice = recommend(
+        catalog(chat("huge", 3_000_000_000, 2500), chat("mid", 1_900_000_000, 1500)), ["chat"], GPU_2G, no_files
+    )
     assert advice.as_dict()["models"][0]["id"] == "mid"
 
 
@@ -183,8 +221,10 @@ def test_bits_per_weight_come_from_llama_cpp_and_plain_names():
     assert bits_per_weight("mystery") is None
 
 
-@pytest.mark.parametrize(("text", "size"), [("24G", 24 * GIB), ("512M", 512 * MIB), ("64GiB", 64 * GIB),
-                                            ("1.5G", 3 * GIB // 2), ("25769803776", 24 * GIB)])
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("24G", 24 * GIB), ("512M", 512 * MIB), ("64GiB", 64 * GIB), ("1.5G", 3 * GIB // 2), ("25769803776", 24 * GIB)],
+)
 def test_the_command_reads_binary_sizes(text, size):
     assert byte_size(text) == size
 

@@ -9,8 +9,8 @@ import av
 import numpy as np
 import pytest
 
-from inference.engines import audio
 from hypnos_site.errors import InvalidRequest
+from inference.engines import audio
 from inference.serving.audio import srt, vtt
 
 TONE = (np.sin(np.arange(12_345) * 2 * np.pi * 440 / audio.OUTPUT_RATE) * 8000).astype(np.int16)
@@ -18,7 +18,12 @@ TONE = (np.sin(np.arange(12_345) * 2 * np.pi * 440 / audio.OUTPUT_RATE) * 8000).
 
 def test_phrases_cut_at_sentence_ends_and_line_breaks():
     assert audio.phrases("Hello there. How are you?\nFine; thanks: bye!  ") == [
-        "Hello there.", "How are you?", "Fine;", "thanks:", "bye!"]
+        "Hello there.",
+        "How are you?",
+        "Fine;",
+        "thanks:",
+        "bye!",
+    ]
     assert audio.phrases("   ") == []
 
 

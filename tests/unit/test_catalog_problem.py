@@ -13,22 +13,52 @@ from models_registry.catalog import Catalog, config_block, describe
 
 def tiny_gguf(path: Path, architecture: str) -> int:
     key, value = b"general.architecture", architecture.encode()
-    data = (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
-            + struct.pack("<IQ", 8, len(value)) + value)
+    data = (
+        b"GGUF"
+        + struct.pack("<IQQ", 3, 0, 1)
+        + struct.pack("<Q", len(key))
+        + key
+        + struct.pack("<IQ", 8, len(value))
+        + value
+    )
     path.write_bytes(data)
     return len(data)
 
 
 def catalog_of(architecture: str, size: int) -> Catalog:
-    return Catalog.model_validate({
-        "catalog_version": 1, "tested_architectures": ["llama", "qwen2"],
-        "models": [{
-            "id": "m", "name": "M", "publisher": "P", "license": "mit", "architecture": architecture,
-            "modality": "text_generation", "engine": "ggml_llama", "summary": "s",
-            "variants": [{"quant": "Q4_0", "default": True, "files": [
-                {"role": "weights", "repo": "org/m-GGUF", "remote": "m.gguf", "local": "m.gguf", "size": size}]}],
-        }],
-    })
+    return Catalog.model_validate(
+        {
+            "catalog_version": 1,
+            "tested_architectures": ["llama", "qwen2"],
+            "models": [
+                {
+                    "id": "m",
+                    "name": "M",
+                    "publisher": "P",
+                    "license": "mit",
+                    "architecture": architecture,
+                    "modality": "text_generation",
+                    "engine": "ggml_llama",
+                    "summary": "s",
+                    "variants": [
+                        {
+                            "quant": "Q4_0",
+                            "default": True,
+                            "files": [
+                                {
+                                    "role": "weights",
+                                    "repo": "org/m-GGUF",
+                                    "remote": "m.gguf",
+                                    "local": "m.gguf",
+                                    "size": size,
+                                }
+                            ],
+                        }
+                    ],
+                }
+            ],
+        }
+    )
 
 
 def test_weights_of_another_architecture_are_a_problem(tmp_path):

@@ -49,7 +49,10 @@ def test_it_refuses_a_missing_explicit_file(tmp_path):
 
 
 def test_it_refuses_an_alias_used_twice(tmp_path):
-    block = '[[models]]\nid = "{id}"\nmodality = "text_generation"\nengine = "ggml_llama"\nweights_path = "a.gguf"\naliases = ["same"]\n'
+    block = (
+        '[[models]]\nid = "{id}"\nmodality = "text_generation"\nengine = "ggml_llama"\n'
+        'weights_path = "a.gguf"\naliases = ["same"]\n'
+    )
     env = write(tmp_path, block.format(id="a") + block.format(id="b"))
     with pytest.raises(ConfigError, match="same"):
         load_config(env)
@@ -59,6 +62,12 @@ def test_the_example_config_is_valid():
     example = Path(__file__).resolve().parents[2] / "hypnos.example.toml"
     config = load_config({"HYPNOS_CONFIG": str(example)})
     assert config.server.port == 9999
-    assert [m.id for m in config.models] == ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b",
-                                             "all-minilm-l6-v2", "whisper-tiny.en", "piper-joe"]
+    assert [m.id for m in config.models] == [
+        "smollm2-135m",
+        "qwen2.5-coder-0.5b",
+        "qwen2.5-coder-1.5b",
+        "all-minilm-l6-v2",
+        "whisper-tiny.en",
+        "piper-joe",
+    ]
     assert config.models == DEFAULT_MODELS

@@ -28,11 +28,28 @@ from hypnos_site.config import BASE_DIR
 
 APPS = ("hypnos_site", "inference", "models_registry", "memory", "logs")
 DJANGO = ("django", "rest_framework", "adrf", "channels", "channels_redis", "asgiref", "daphne", "celery")
-ENGINE_LIBRARIES = ("llama_cpp", "onnxruntime", "faster_whisper", "ctranslate2", "piper", "docling",
-                    "stable_diffusion_cpp", "ncnn", "rapidocr_onnxruntime", "gliner")
+ENGINE_LIBRARIES = (
+    "llama_cpp",
+    "onnxruntime",
+    "faster_whisper",
+    "ctranslate2",
+    "piper",
+    "docling",
+    "stable_diffusion_cpp",
+    "ncnn",
+    "rapidocr_onnxruntime",
+    "gliner",
+)
 # What the distributed web process imports: the ASGI application, its URL table and the routes.
-WEB_ENTRY_POINTS = ("hypnos_site.asgi", "hypnos_site.urls", "inference.urls", "inference.views",
-                    "inference.realtime", "inference.lemonade_urls", "logs.urls")
+WEB_ENTRY_POINTS = (
+    "hypnos_site.asgi",
+    "hypnos_site.urls",
+    "inference.urls",
+    "inference.views",
+    "inference.realtime",
+    "inference.lemonade_urls",
+    "logs.urls",
+)
 # (importer, imported) edges of a cycle that is meant, each with its `# deliberate cycle:` line.
 DELIBERATE: set[tuple[str, str]] = set()
 
@@ -91,8 +108,11 @@ def imports(module: str) -> tuple[Import, ...]:
                 deliberate = "# deliberate cycle:" in lines[child.lineno - 1]
                 for target in _targets(child, module, path.name == "__init__.py"):
                     found.append(Import(target, child.lineno, local, typing_only, deliberate))
-            visit(child, local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)),
-                  typing_only or _is_type_checking(child))
+            visit(
+                child,
+                local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)),
+                typing_only or _is_type_checking(child),
+            )
 
     visit(ast.parse(text, str(path)), local=False, typing_only=False)
     return tuple(found)
@@ -103,7 +123,8 @@ def _is_type_checking(node: ast.AST) -> bool:
         return False
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def first_party(name: str) -> str | None:
@@ -173,8 +194,10 @@ def inference_graph() -> dict[str, set[str]]:
 def test_nothing_below_inference_imports_it():
     found = [
         f"{module}:{imp.line} imports {imp.module}"
-        for module in sources() if top(module) in ("models_registry", "memory", "logs")
-        for imp in imports(module) if top(imp.module) == "inference"
+        for module in sources()
+        if top(module) in ("models_registry", "memory", "logs")
+        for imp in imports(module)
+        if top(imp.module) == "inference"
     ]
     assert found == []
 
@@ -204,8 +227,10 @@ def test_there_is_no_import_cycle_in_inference():
 def test_every_deliberate_cycle_edge_is_annotated_where_it_is_imported():
     annotated = {
         (module, first_party(imp.module))
-        for module in sources() if top(module) == "inference"
-        for imp in imports(module) if imp.deliberate
+        for module in sources()
+        if top(module) == "inference"
+        for imp in imports(module)
+        if imp.deliberate
     }
     assert annotated == DELIBERATE
 

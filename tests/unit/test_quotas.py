@@ -119,8 +119,9 @@ def test_a_refusal_is_the_spec_429_with_retry_after():
     key = ApiPrincipal(label="team", admin=False, requests_per_minute=2)
     response = RateLimited("slow down", code="requests_per_minute", retry_after_secs=17).response()
     assert response.status_code == 429 and response["Retry-After"] == "17"
-    assert json.loads(response.content) == {"error": {
-        "message": "slow down", "type": "rate_limit_error", "param": None, "code": "requests_per_minute"}}
+    assert json.loads(response.content) == {
+        "error": {"message": "slow down", "type": "rate_limit_error", "param": None, "code": "requests_per_minute"}
+    }
     assert key.limited and not ApiPrincipal(label="x", admin=False).limited
 
 

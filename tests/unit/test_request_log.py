@@ -21,8 +21,13 @@ from logs.record import CallRecord
 from logs.store import LogQuery
 
 USAGE = {"prompt_tokens": 31, "completion_tokens": 7, "total_tokens": 38, "prompt_tokens_details": {"cached_tokens": 4}}
-TELEMETRY = {"previous_tier": "tier2_pinned_ram", "inference_latency_ms": 120.0, "tier_switch_latency_ms": 33.0,
-             "evicted_models": [], "engine": {"ttft_ms": 20.0, "decode_tokens_per_s": 58.2}}
+TELEMETRY = {
+    "previous_tier": "tier2_pinned_ram",
+    "inference_latency_ms": 120.0,
+    "tier_switch_latency_ms": 33.0,
+    "evicted_models": [],
+    "engine": {"ttft_ms": 20.0, "decode_tokens_per_s": 58.2},
+}
 
 
 def sse(*events: object) -> bytes:
@@ -36,18 +41,35 @@ def chunk(content: str | None = None, **extra: object) -> dict:
 
 @pytest.mark.parametrize(
     ("path", "route"),
-    [("/v1/chat/completions", "/v1/chat/completions"), ("/api/v1/embeddings", "/v1/embeddings"),
-     ("/v1/logs", None), ("/v1/models", None), ("/metrics", None), ("/v1/chat/completions/x", None)],
+    [
+        ("/v1/chat/completions", "/v1/chat/completions"),
+        ("/api/v1/embeddings", "/v1/embeddings"),
+        ("/v1/logs", None),
+        ("/v1/models", None),
+        ("/metrics", None),
+        ("/v1/chat/completions/x", None),
+    ],
 )
 def test_only_the_token_counting_routes_are_inference_calls(path, route):
     assert inference_route(path) == route
 
 
 def test_an_entry_level_follows_the_status_and_the_threshold_keeps_it_or_not():
-    assert [entry_level(200, None), entry_level(200, "mid-stream failure"), entry_level(429, "x"),
-            entry_level(503, "x"), entry_level(200, "gone", cancelled=True)] == ["info", "error", "warn", "error", "warn"]
+    assert [
+        entry_level(200, None),
+        entry_level(200, "mid-stream failure"),
+        entry_level(429, "x"),
+        entry_level(503, "x"),
+        entry_level(200, "gone", cancelled=True),
+    ] == ["info", "error", "warn", "error", "warn"]
     assert [is_kept("warn", t) for t in ("off", "error", "warn", "info", "debug", "trace")] == [
-        False, False, True, True, True, True]
+        False,
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
     assert not is_kept("error", "off") and is_kept("error", "error")
 
 
@@ -59,8 +81,12 @@ def test_redaction_keeps_blanks_or_masks():
 
 
 def test_the_input_is_the_messages_prompt_or_input_text():
-    chat = {"messages": [{"role": "system", "content": "Be brief."},
-                         {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image_url"}]}]}
+    chat = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image_url"}]},
+        ]
+    }
     assert input_text(chat) == "system: Be brief.\nuser: Hi"
     assert input_text({"prompt": ["a", "b"]}) == "a\nb"
     assert input_text({"input": "embed me", "instructions": "x"}) == "instructions: x\nembed me"

@@ -80,11 +80,16 @@ def test_an_unclosed_block_stays_thoughts():
 
 
 def test_image_parts_become_markers_in_order_and_typed_markers_are_removed():
-    message = ChatMessage.model_validate({"role": "user", "content": [
-        {"type": "text", "text": "Compare <__media__>"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
-        {"type": "text", "text": " with "},
-        {"type": "image_url", "image_url": {"url": "https://example.com/b.png"}},
-    ]})
+    message = ChatMessage.model_validate(
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Compare <__media__>"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                {"type": "text", "text": " with "},
+                {"type": "image_url", "image_url": {"url": "https://example.com/b.png"}},
+            ],
+        }
+    )
     assert message.text_with_images() == "Compare <__media__> with <__media__>"
     assert message.image_urls() == ["data:image/png;base64,AAAA", "https://example.com/b.png"]

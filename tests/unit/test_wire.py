@@ -22,8 +22,12 @@ EVENTS = [
     wire.Reasoning(text="hmm"),
     wire.AudioChunk(data=b"RIFF\x00\x01"),
     wire.VectorChunk(data=[b"\x00\x00\x80?" * 4]),
-    wire.Done(finish_reason="stop", usage=wire.Usage(prompt_tokens=5, completion_tokens=2, cached_tokens=1),
-              telemetry={"engine": {"ttft_ms": 3.0}}, tool_calls=[{"id": "call_1"}]),
+    wire.Done(
+        finish_reason="stop",
+        usage=wire.Usage(prompt_tokens=5, completion_tokens=2, cached_tokens=1),
+        telemetry={"engine": {"ttft_ms": 3.0}},
+        tool_calls=[{"id": "call_1"}],
+    ),
     wire.Result(result={"models": []}),
     wire.Error.of(ContextLengthExceeded("too long", param="messages")),
 ]
@@ -37,9 +41,15 @@ def test_it_carries_every_event_through_msgpack_unchanged(event):
 
 
 def test_it_carries_a_request_per_modality_through_msgpack_unchanged():
-    works = [wire.GenerateWork(messages=[{"role": "user", "content": "hi"}], max_tokens=4, images=[b"\x89PNG"]),
-             wire.EmbedWork(input=["a", "b"]), wire.TranscribeWork(audio="UklGRg==", language="en"),
-             wire.SpeechWork(input="Hello.", voice="alloy"), wire.ImageWork(), wire.DocumentWork(), wire.EntityWork()]
+    works = [
+        wire.GenerateWork(messages=[{"role": "user", "content": "hi"}], max_tokens=4, images=[b"\x89PNG"]),
+        wire.EmbedWork(input=["a", "b"]),
+        wire.TranscribeWork(audio="UklGRg==", language="en"),
+        wire.SpeechWork(input="Hello.", voice="alloy"),
+        wire.ImageWork(),
+        wire.DocumentWork(),
+        wire.EntityWork(),
+    ]
     for work in works:
         request = wire.EngineRequest(request_id="req-1", model="m", work=work, deadline_ms=100.0)
         packed = msgpack.unpackb(msgpack.packb(wire.encode_request(request), use_bin_type=True), raw=False)
@@ -84,9 +94,13 @@ def test_the_chat_work_has_every_field_of_the_engines():
 def test_a_control_op_takes_only_its_own_typed_args():
     move = wire.ControlRequest(request_id="r", op="move", args={"model": "m", "target_tier": "tier2_pinned_ram"})
     assert wire.decode_request(wire.encode_request(move)) == move
-    for op, args in [("move", {"model": "m", "target_tier": "tier9"}), ("enable", {}),
-                     ("kv_park", {"max_bytes": "lots"}), ("remove_model", {"model": "m", "drain": 1}),
-                     ("status", {"verbose": True})]:
+    for op, args in [
+        ("move", {"model": "m", "target_tier": "tier9"}),
+        ("enable", {}),
+        ("kv_park", {"max_bytes": "lots"}),
+        ("remove_model", {"model": "m", "drain": 1}),
+        ("status", {"verbose": True}),
+    ]:
         with pytest.raises(ValidationError):
             wire.ControlRequest(request_id="r", op=op, args=args)
     assert set(wire.CONTROL_ARGS) == set(typing.get_args(wire.ControlOp))

@@ -42,7 +42,9 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):  # type: ignore[no-untyped-def]
         parser.add_argument(
-            "--no-supervise", dest="supervise", action="store_false",
+            "--no-supervise",
+            dest="supervise",
+            action="store_false",
             help="run the worker in this process, without a supervisor that restarts it when it dies by a signal",
         )
 
@@ -93,8 +95,12 @@ class Supervisor:
                 return code
             if time.monotonic() - started >= HEALTHY_SECS:
                 backoff = FIRST_BACKOFF_SECS
-            log.error("inference worker process %d died by %s; restarting it in %.1f s",
-                      self.child.pid, _signal_name(-code), backoff)
+            log.error(
+                "inference worker process %d died by %s; restarting it in %.1f s",
+                self.child.pid,
+                _signal_name(-code),
+                backoff,
+            )
             if self._sleep(backoff):
                 return 0
             backoff = min(backoff * 2, MAX_BACKOFF_SECS)

@@ -42,8 +42,9 @@ class Command(BaseCommand):
         parser.add_argument("--needs", required=True, type=need_list, help=f"comma-separated: {', '.join(NEEDS)}")
         parser.add_argument("--vram", type=byte_size, help="GPU memory, e.g. 24G (0: no GPU); default: this machine's")
         parser.add_argument("--ram", type=byte_size, help="installed memory, e.g. 64G; default: this machine's")
-        parser.add_argument("--unified", action="store_true", default=None,
-                            help="unified memory (Apple Silicon): --vram is ignored")
+        parser.add_argument(
+            "--unified", action="store_true", default=None, help="unified memory (Apple Silicon): --vram is ignored"
+        )
         output = parser.add_mutually_exclusive_group()
         output.add_argument("--json", action="store_true", help="print the POST /v1/advisor answer")
         output.add_argument("--config", action="store_true", help="print only the generated config file")
@@ -70,20 +71,34 @@ def table(advice: Advice) -> str:
     """The human-readable answer: budgets, one row per model, warnings, what to do next."""
     answer = advice.as_dict()
     budgets = answer["budgets"]
-    lines = [f"Machine: {advice.machine.describe()}; tier 1 {_gib(budgets['tier1_bytes'])}, "
-             f"tier 2 {_gib(budgets['tier2_bytes'])}.", ""]
+    lines = [
+        f"Machine: {advice.machine.describe()}; tier 1 {_gib(budgets['tier1_bytes'])}, "
+        f"tier 2 {_gib(budgets['tier2_bytes'])}.",
+        "",
+    ]
     rows = [("model", "quant", "serves", "starts in", "context", "resident", "layers in tier 1", "priority")]
     for m in answer["models"]:
-        rows.append((m["id"], m["quant"], ", ".join(m["serves"]), m["initial_tier"], str(m["context_len"]),
-                     _gib(m["resident_bytes"]), f"{m['gpu_layers']}/{m['num_layers']}" if m["num_layers"] else "all",
-                     m["priority"]))
+        rows.append(
+            (
+                m["id"],
+                m["quant"],
+                ", ".join(m["serves"]),
+                m["initial_tier"],
+                str(m["context_len"]),
+                _gib(m["resident_bytes"]),
+                f"{m['gpu_layers']}/{m['num_layers']}" if m["num_layers"] else "all",
+                m["priority"],
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     together = "yes" if answer["interactive_coresident"] else "no"
     lines += ["", f"Interactive models resident together: {together} ({_gib(answer['interactive_bytes'])} in tier 1)."]
     lines += [f"Warning: {w}" for w in answer["warnings"]]
-    lines += [f"Catalog specs: {' '.join(answer['specs'])}",
-              "The config file: the same command with --config (e.g. > hypnos.toml)."]
+    lines += [
+        f"Catalog specs: {' '.join(answer['specs'])}",
+        "The config file: the same command with --config (e.g. > hypnos.toml).",
+    ]
     return "\n".join(lines)
 
 

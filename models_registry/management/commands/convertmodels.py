@@ -7,8 +7,10 @@ from models_registry.packaged import PackageMissing, convert_packaged_models
 
 
 class Command(BaseCommand):
-    help = ("Convert the configured models that come as Hugging Face folders (package_path) to the GGUF "
-            "their weights_path names, once per machine.")
+    help = (
+        "Convert the configured models that come as Hugging Face folders (package_path) to the GGUF "
+        "their weights_path names, once per machine."
+    )
 
     def handle(self, *args, **options):  # type: ignore[no-untyped-def]
         try:

@@ -19,7 +19,7 @@ class Command(BaseCommand):
     def handle(self, label, admin, requests_per_minute, max_concurrent, tokens_per_day, models, **_):  # type: ignore[no-untyped-def]
         if ApiKey.objects.filter(label=label).exists():
             raise CommandError(f"a key labelled {label!r} exists already")
-        _, key = ApiKey.create_key(
+        _record, key = ApiKey.create_key(
             label,
             admin=admin,
             requests_per_minute=requests_per_minute,

@@ -13,8 +13,10 @@ from models_registry.downloads import DownloadError, fetch, hub_endpoint, plan
 
 
 class Command(BaseCommand):
-    help = ("Download catalog variants into models_dir: <id> or <id>:<quant> (the default variant without "
-            "one), resuming interrupted downloads. HF_ENDPOINT sets the hub, HF_TOKEN the token for gated files.")
+    help = (
+        "Download catalog variants into models_dir: <id> or <id>:<quant> (the default variant without "
+        "one), resuming interrupted downloads. HF_ENDPOINT sets the hub, HF_TOKEN the token for gated files."
+    )
     requires_system_checks: list[str] = []
 
     def add_arguments(self, parser):  # type: ignore[no-untyped-def]

@@ -3,6 +3,7 @@ the current level in the shared state (Redis when distributed, memory when embed
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -22,9 +23,26 @@ def capacity() -> int:
     return settings.HYPNOS.server.request_log_capacity
 
 
+# A surrogate code point in a str is always a lone one (a JSON pair decodes to one code point).
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def storable(value: Any) -> Any:
+    """`value` with every string made encodable as UTF-8: a lone surrogate a client sent
+    (JSON's "\\ud800", refused with a 400 but still logged) becomes U+FFFD, which neither SQLite nor
+    PostgreSQL refuses."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {k: storable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [storable(v) for v in value]
+    return value
+
+
 def store_entry(fields: dict[str, Any]) -> RequestLogEntry:
     """Add an entry and drop what the ring buffer no longer holds (sync: runs in a thread)."""
-    entry = RequestLogEntry.objects.create(**fields)
+    entry = RequestLogEntry.objects.create(**{name: storable(value) for name, value in fields.items()})
     keep = capacity()
     oldest_kept = list(RequestLogEntry.objects.order_by("-id").values_list("id", flat=True)[keep - 1 : keep])
     if oldest_kept:

@@ -140,15 +140,17 @@ def _key(*parts: str) -> str:
     return hashlib.sha256(" ".join(parts).encode()).hexdigest()[:12]
 
 
-def _run(args: list[str], log_path: Path, cwd: Path | None = None, env: dict[str, str] | None = None,
-         timeout: float = 3600) -> None:
+def _run(
+    args: list[str], log_path: Path, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 3600
+) -> None:
     """Run a set-up command, its output appended to `log_path`; fail with its last lines."""
     log.info("set-up: %s", " ".join(args))
     with log_path.open("ab") as out:
         out.write(f"\n$ {' '.join(args)}\n".encode())
         out.flush()
-        done = subprocess.run(args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, timeout=timeout)
+        done = subprocess.run(
+            args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=timeout
+        )
     if done.returncode != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
         raise RuntimeError(f"{args[0]} failed ({done.returncode}); {log_path}:\n{tail}")
@@ -162,8 +164,22 @@ def llama_sdist(version: str) -> Path:
         return found[0]
     target_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target_dir) as tmp:
-        _run([sys.executable, "-m", "pip", "--disable-pip-version-check", "download", "--no-deps",
-              "--no-binary", ":all:", "-d", tmp, f"llama-cpp-python=={version}"], target_dir / "download.log")
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "--disable-pip-version-check",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                tmp,
+                f"llama-cpp-python=={version}",
+            ],
+            target_dir / "download.log",
+        )
         [sdist] = Path(tmp).glob("llama_cpp_python-*.tar.gz")
         final = target_dir / sdist.name
         sdist.rename(final)
@@ -224,8 +240,9 @@ def llama_cpp_server_python() -> tuple[Path, dict[str, Any]]:
     _run([str(python), "-m", "pip", "--disable-pip-version-check", "install", "--no-deps", str(wheel)], setup_log)
     _run([str(python), "-m", "pip", "--disable-pip-version-check", "install", *LLAMA_CPP_SERVER_PINS], setup_log)
     _run([str(python), "-c", "import llama_cpp.server.app"], setup_log)
-    (venv / ".complete").write_text(subprocess.run([str(python), "-m", "pip", "freeze"], capture_output=True,
-                                                   text=True, check=True).stdout)
+    (venv / ".complete").write_text(
+        subprocess.run([str(python), "-m", "pip", "freeze"], capture_output=True, text=True, check=True).stdout
+    )
     return python, info
 
 
@@ -356,8 +373,9 @@ class Sampler:
             meter.start()
             sample = self._with_retries(request, label)
             sample.idle_before_pct, sample.foreign_cpu_pct = idle, meter.foreign_pct()
-            sample.disturbed = (sample.foreign_cpu_pct is not None
-                                and sample.foreign_cpu_pct > self.settings.max_foreign_cpu_pct)
+            sample.disturbed = (
+                sample.foreign_cpu_pct is not None and sample.foreign_cpu_pct > self.settings.max_foreign_cpu_pct
+            )
             if sample.disturbed and len(series.discarded) < self.settings.redo:
                 log.debug("%s: others took %.0f%% of the CPU; measuring again", label, sample.foreign_cpu_pct)
                 series.discarded.append(sample)
@@ -381,12 +399,16 @@ class Sampler:
 def _describe(name: str, series: Series) -> str:
     if name == "call":
         above = series.p50("above_engine_ms")
-        return (f"p50 {_fmt(series.p50('client_ms'), 2)} ms client, engine {_fmt(series.p50('engine_ms'), 2)} ms, "
-                f"above it {_fmt(above, 2)} ms")
+        return (
+            f"p50 {_fmt(series.p50('client_ms'), 2)} ms client, engine {_fmt(series.p50('engine_ms'), 2)} ms, "
+            f"above it {_fmt(above, 2)} ms"
+        )
     if name == "concurrent":
         return f"p50 {_fmt(series.p50('aggregate_tokens_per_s'))} tok/s aggregate"
-    return (f"p50 TTFT {_fmt(series.p50('ttft_ms'), 2)} ms, {_fmt(series.p50('decode_tokens_per_s'))} tok/s, "
-            f"tokens {sorted({s.completion_tokens for s in series.samples})}")
+    return (
+        f"p50 TTFT {_fmt(series.p50('ttft_ms'), 2)} ms, {_fmt(series.p50('decode_tokens_per_s'))} tok/s, "
+        f"tokens {sorted({s.completion_tokens for s in series.samples})}"
+    )
 
 
 def descendants(pids: list[int]) -> list[int]:
@@ -438,15 +460,19 @@ class RawTarget:
         response = self.llm.create_chat_completion(messages=MESSAGES, max_tokens=1, temperature=0.0)
         client_ms = (time.perf_counter() - started) * 1000
         usage = response["usage"]
-        return CallSample(client_ms=client_ms, prompt_tokens=usage["prompt_tokens"],
-                          completion_tokens=usage["completion_tokens"],
-                          text=response["choices"][0]["message"]["content"] or "")
+        return CallSample(
+            client_ms=client_ms,
+            prompt_tokens=usage["prompt_tokens"],
+            completion_tokens=usage["completion_tokens"],
+            text=response["choices"][0]["message"]["content"] or "",
+        )
 
     def stream(self, max_tokens: int) -> StreamSample:
         clock = StreamClock()
         finish = None
-        for chunk in self.llm.create_chat_completion(messages=MESSAGES, max_tokens=max_tokens, temperature=0.0,
-                                                     stream=True):
+        for chunk in self.llm.create_chat_completion(
+            messages=MESSAGES, max_tokens=max_tokens, temperature=0.0, stream=True
+        ):
             choice = chunk["choices"][0]
             clock.content(choice["delta"].get("content"))
             finish = choice.get("finish_reason") or finish
@@ -454,14 +480,23 @@ class RawTarget:
         return _stream_sample(clock, clock.chunks, None, finish)
 
 
-def _stream_sample(clock: StreamClock, completion_tokens: int, prompt_tokens: int | None, finish: str | None,
-                   **extra: Any) -> StreamSample:
+def _stream_sample(
+    clock: StreamClock, completion_tokens: int, prompt_tokens: int | None, finish: str | None, **extra: Any
+) -> StreamSample:
     run = clock.result(completion_tokens, prompt_tokens)
     assert clock.first is not None and clock.last is not None
     return StreamSample(
-        ttft_ms=run.ttft_ms, decode_tokens_per_s=run.decode_tokens_per_s, completion_tokens=completion_tokens,
-        prompt_tokens=prompt_tokens, content_chunks=run.content_chunks, total_ms=run.total_ms,
-        finish_reason=finish, text=run.text, started_at=clock.started, first_at=clock.first, last_at=clock.last,
+        ttft_ms=run.ttft_ms,
+        decode_tokens_per_s=run.decode_tokens_per_s,
+        completion_tokens=completion_tokens,
+        prompt_tokens=prompt_tokens,
+        content_chunks=run.content_chunks,
+        total_ms=run.total_ms,
+        finish_reason=finish,
+        text=run.text,
+        started_at=clock.started,
+        first_at=clock.first,
+        last_at=clock.last,
         **extra,
     )
 
@@ -489,8 +524,13 @@ class HttpTarget:
         self.client.close()
 
     def _body(self, max_tokens: int, stream: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": MODEL_ID, "messages": MESSAGES, "max_tokens": max_tokens,
-                                "temperature": 0, "stream": stream}
+        body: dict[str, Any] = {
+            "model": MODEL_ID,
+            "messages": MESSAGES,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": stream,
+        }
         if stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -511,24 +551,30 @@ class HttpTarget:
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         if cached is None and "timings" in data:
             cached = data["timings"].get("cache_n")
-        return CallSample(client_ms=client_ms, engine_ms=engine_ms, prompt_tokens=usage.get("prompt_tokens"),
-                          cached_tokens=cached, completion_tokens=usage.get("completion_tokens"),
-                          text=data["choices"][0]["message"].get("content") or "")
+        return CallSample(
+            client_ms=client_ms,
+            engine_ms=engine_ms,
+            prompt_tokens=usage.get("prompt_tokens"),
+            cached_tokens=cached,
+            completion_tokens=usage.get("completion_tokens"),
+            text=data["choices"][0]["message"].get("content") or "",
+        )
 
     def stream(self, max_tokens: int, client: httpx.Client | None = None) -> StreamSample:
         clock = StreamClock()
         usage: dict[str, Any] | None = None
         finish = None
         extra: dict[str, Any] = {}
-        with (client or self.client).stream("POST", f"{self.base_url}/v1/chat/completions",
-                                            json=self._body(max_tokens, True)) as response:
+        with (client or self.client).stream(
+            "POST", f"{self.base_url}/v1/chat/completions", json=self._body(max_tokens, True)
+        ) as response:
             if response.status_code != 200:
                 response.read()
                 raise RuntimeError(f"POST /v1/chat/completions: {response.status_code} {response.text[:300]}")
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 if "error" in chunk:
                     raise RuntimeError(f"the stream ended with an error: {chunk['error']}")
                 for choice in chunk.get("choices") or []:
@@ -537,13 +583,17 @@ class HttpTarget:
                 usage = chunk.get("usage") or usage
                 if "hypnos_telemetry" in chunk:
                     engine = chunk["hypnos_telemetry"].get("engine") or {}
-                    extra = {"engine_ttft_ms": engine.get("ttft_ms"),
-                             "engine_decode_tokens_per_s": engine.get("decode_tokens_per_s"),
-                             "concurrent_slots": engine.get("concurrent_slots")}
+                    extra = {
+                        "engine_ttft_ms": engine.get("ttft_ms"),
+                        "engine_decode_tokens_per_s": engine.get("decode_tokens_per_s"),
+                        "concurrent_slots": engine.get("concurrent_slots"),
+                    }
                 elif chunk.get("timings"):
                     timings = chunk["timings"]
-                    extra = {"engine_ttft_ms": timings.get("prompt_ms"),
-                             "engine_decode_tokens_per_s": timings.get("predicted_per_second")}
+                    extra = {
+                        "engine_ttft_ms": timings.get("prompt_ms"),
+                        "engine_decode_tokens_per_s": timings.get("predicted_per_second"),
+                    }
         # Usage where the server streams it (Hypnos, llama-server): the distributed deployment
         # joins deltas, so chunks undercount. llama_cpp.server sends one chunk per token, no usage.
         tokens = int(usage["completion_tokens"]) if usage else clock.chunks
@@ -578,16 +628,27 @@ class HttpTarget:
         done = [r for r in results if isinstance(r, StreamSample)]
         wall = max(s.last_at for s in done) - min(s.started_at for s in done)
         tokens = sum(s.completion_tokens for s in done)
-        return ConcurrentSample(aggregate_tokens_per_s=tokens / wall if wall > 0 else 0.0, wall_ms=wall * 1000,
-                                completion_tokens=tokens, streams=done)
+        return ConcurrentSample(
+            aggregate_tokens_per_s=tokens / wall if wall > 0 else 0.0,
+            wall_ms=wall * 1000,
+            completion_tokens=tokens,
+            streams=done,
+        )
 
 
 def start_process(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> Proc:
     """Start ARGS (any program), its output to LOG_DIR/NAME.log, in a session of its own."""
     log_path = log_dir / f"{name}.log"
     with log_path.open("wb") as out:
-        popen = subprocess.Popen(args, cwd=BASE_DIR, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        popen = subprocess.Popen(
+            args,
+            cwd=BASE_DIR,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     log.info("%s started (pid %d): %s", name, popen.pid, " ".join(args))
     return Proc(name, popen, log_path)
 
@@ -612,8 +673,14 @@ def wait_ready(url: str, procs: list[Proc]) -> float:
 
 
 @contextmanager
-def serving(name: str, procs_to_start: list[tuple[str, list[str], dict[str, str]]], ready_path: str, port: int,
-            log_dir: Path, after_stop: Callable[[], None] | None = None) -> Iterator[HttpTarget]:
+def serving(
+    name: str,
+    procs_to_start: list[tuple[str, list[str], dict[str, str]]],
+    ready_path: str,
+    port: int,
+    log_dir: Path,
+    after_stop: Callable[[], None] | None = None,
+) -> Iterator[HttpTarget]:
     """Start the processes, wait for `ready_path`, yield the target; stop them all (the last
     started first) however the block ends."""
     procs: list[Proc] = []
@@ -644,10 +711,29 @@ def llama_cpp_server(python: Path, settings: Settings, log_dir: Path) -> Any:
     off: by default a new request ends the stream in progress, which would cut the concurrent
     round short (the server has one model instance and a lock: no slots)."""
     port = free_port()
-    args = [str(python), "-m", "llama_cpp.server", "--model", str(settings.weights), "--model_alias", MODEL_ID,
-            "--n_ctx", str(CONTEXT_LEN), "--n_threads", str(settings.threads),
-            "--n_threads_batch", str(settings.threads), "--n_gpu_layers", "0", "--interrupt_requests", "False",
-            "--host", "127.0.0.1", "--port", str(port)]
+    args = [
+        str(python),
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(settings.weights),
+        "--model_alias",
+        MODEL_ID,
+        "--n_ctx",
+        str(CONTEXT_LEN),
+        "--n_threads",
+        str(settings.threads),
+        "--n_threads_batch",
+        str(settings.threads),
+        "--n_gpu_layers",
+        "0",
+        "--interrupt_requests",
+        "False",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYPNOS_")}
     return serving("llama_cpp_server", [("llama_cpp_server", args, env)], "/v1/models", port, log_dir)
 
@@ -657,8 +743,25 @@ def llama_server(binary: Path, settings: Settings, slots: int, log_dir: Path) ->
     Hypnos's slots share one unified KV cache of context_len), same threads, its defaults
     otherwise (what its users get)."""
     port = free_port()
-    args = [str(binary), "-m", str(settings.weights), "-c", str(CONTEXT_LEN), "-t", str(settings.threads),
-            "-tb", str(settings.threads), "-np", str(slots), "-ngl", "0", "--host", "127.0.0.1", "--port", str(port)]
+    args = [
+        str(binary),
+        "-m",
+        str(settings.weights),
+        "-c",
+        str(CONTEXT_LEN),
+        "-t",
+        str(settings.threads),
+        "-tb",
+        str(settings.threads),
+        "-np",
+        str(slots),
+        "-ngl",
+        "0",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     if slots > 1:
         args.append("--kv-unified")
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYPNOS_")}
@@ -718,8 +821,12 @@ def redis_for_benchmark(work_dir: Path) -> Iterator[str]:
     except redis.RedisError:
         pass
     port = free_port()
-    proc = start_process("redis", ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                   "--appendonly", "no"], dict(os.environ), work_dir)
+    proc = start_process(
+        "redis",
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        dict(os.environ),
+        work_dir,
+    )
     url = f"redis://127.0.0.1:{port}/0"
     try:
         deadline = time.monotonic() + 10
@@ -758,15 +865,17 @@ def measure_slots(target: HttpTarget, sampler: Sampler, settings: Settings) -> N
     sampler.run("concurrent", lambda: target.concurrent(SLOTS, settings.max_tokens), settings.runs)
     sampler.run("after", stream, settings.runs)
     first = sampler.result.series["after"].samples[0]
-    log.info("%s: the first single stream after the concurrent rounds: %.1f tok/s", target.name,
-             first.decode_tokens_per_s)
+    log.info(
+        "%s: the first single stream after the concurrent rounds: %.1f tok/s", target.name, first.decode_tokens_per_s
+    )
     log.info("%s: idle for %g s", target.name, settings.idle_secs)
     time.sleep(settings.idle_secs)
     sampler.run("after_idle", stream, settings.runs)
 
 
-def bench_target(name: str, settings: Settings, peers: dict[str, Any], work_dir: Path,
-                 redis_url: str | None) -> TargetResult:
+def bench_target(
+    name: str, settings: Settings, peers: dict[str, Any], work_dir: Path, redis_url: str | None
+) -> TargetResult:
     result = TargetResult(name)
     log_dir = work_dir / name
     log_dir.mkdir()
@@ -784,8 +893,9 @@ def bench_target(name: str, settings: Settings, peers: dict[str, Any], work_dir:
             sampler = Sampler(settings, result, target.pids)
             measure_single_slot(target, sampler, settings)
             measure_slots(target, sampler, settings)
-        result.notes.append("llama_cpp_server: no slots (one Llama behind a lock): its 4 concurrent streams "
-                            "run one after another")
+        result.notes.append(
+            "llama_cpp_server: no slots (one Llama behind a lock): its 4 concurrent streams run one after another"
+        )
         return result
     result.slots = SLOTS
     if name == "llama_server":
@@ -828,31 +938,43 @@ def summary(results: list[TargetResult]) -> list[dict[str, Any]]:
     rows = []
     for r in results:
         series = r.series
-        tokens = sorted({s.completion_tokens for name in ("decode", "before", "after") if name in series
-                         for s in series[name].samples})
-        prompts = sorted({s.prompt_tokens for s in series["call"].samples if s.prompt_tokens is not None}) \
-            if "call" in series else []
-        rows.append({
-            "target": r.target,
-            "call_client_ms": r.p50("call", "client_ms"),
-            "call_engine_ms": r.p50("call", "engine_ms"),
-            "call_above_engine_ms": r.p50("call", "above_engine_ms"),
-            "ttft_ms": r.p50("ttft", "ttft_ms"),
-            "decode_tokens_per_s": r.p50("decode", "decode_tokens_per_s"),
-            "engine_decode_tokens_per_s": r.p50("decode", "engine_decode_tokens_per_s"),
-            "slots": r.slots,
-            "before_tokens_per_s": r.p50("before", "decode_tokens_per_s"),
-            "concurrent_aggregate_tokens_per_s": r.p50("concurrent", "aggregate_tokens_per_s"),
-            "after_tokens_per_s": r.p50("after", "decode_tokens_per_s"),
-            "after_first_tokens_per_s": (series["after"].samples[0].decode_tokens_per_s
-                                         if "after" in series else None),
-            "after_idle_tokens_per_s": r.p50("after_idle", "decode_tokens_per_s"),
-            "prompt_tokens": prompts,
-            "completion_tokens": tokens,
-            "disturbed_samples": sum(s.disturbed() for s in series.values()),
-            "discarded_samples": sum(len(s.discarded) for s in series.values()),
-            "failed_requests": len(r.failures),
-        })
+        tokens = sorted(
+            {
+                s.completion_tokens
+                for name in ("decode", "before", "after")
+                if name in series
+                for s in series[name].samples
+            }
+        )
+        prompts = (
+            sorted({s.prompt_tokens for s in series["call"].samples if s.prompt_tokens is not None})
+            if "call" in series
+            else []
+        )
+        rows.append(
+            {
+                "target": r.target,
+                "call_client_ms": r.p50("call", "client_ms"),
+                "call_engine_ms": r.p50("call", "engine_ms"),
+                "call_above_engine_ms": r.p50("call", "above_engine_ms"),
+                "ttft_ms": r.p50("ttft", "ttft_ms"),
+                "decode_tokens_per_s": r.p50("decode", "decode_tokens_per_s"),
+                "engine_decode_tokens_per_s": r.p50("decode", "engine_decode_tokens_per_s"),
+                "slots": r.slots,
+                "before_tokens_per_s": r.p50("before", "decode_tokens_per_s"),
+                "concurrent_aggregate_tokens_per_s": r.p50("concurrent", "aggregate_tokens_per_s"),
+                "after_tokens_per_s": r.p50("after", "decode_tokens_per_s"),
+                "after_first_tokens_per_s": (
+                    series["after"].samples[0].decode_tokens_per_s if "after" in series else None
+                ),
+                "after_idle_tokens_per_s": r.p50("after_idle", "decode_tokens_per_s"),
+                "prompt_tokens": prompts,
+                "completion_tokens": tokens,
+                "disturbed_samples": sum(s.disturbed() for s in series.values()),
+                "discarded_samples": sum(len(s.discarded) for s in series.values()),
+                "failed_requests": len(r.failures),
+            }
+        )
     return rows
 
 
@@ -862,85 +984,183 @@ def checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     peer_lcs, peer_ls = by.get("llama_cpp_server"), by.get("llama_server")
     out = []
 
-    def check(deployment: str, what: str, value: float | None, reference: float | None, ratio: float | None,
-              op: str, limit: float) -> None:
-        # The (a) target is absolute; the others are ratios to a reference (None: it did not run).
-        measured = value if limit == TARGET_OVERHEAD_MS and reference is None else ratio
+    def check(
+        deployment: str,
+        what: str,
+        value: float | None,
+        reference: float | None,
+        ratio: float | None,
+        op: str,
+        limit: float,
+        absolute: bool = False,
+    ) -> None:
+        # (a)'s target is the value itself; the others are ratios to a reference (None: the
+        # reference did not run, and the check says "-").
+        measured = value if absolute else ratio
         ok = None if measured is None else (measured <= limit if op == "<=" else measured >= limit)
-        out.append({"deployment": deployment, "check": what, "value": value, "reference": reference,
-                    "ratio": ratio, "target": f"{op} {limit:g}", "pass": ok})
+        out.append(
+            {
+                "deployment": deployment,
+                "check": what,
+                "value": value,
+                "reference": reference,
+                "ratio": ratio,
+                "target": f"{op} {limit:g}",
+                "pass": ok,
+            }
+        )
 
     for deployment in HYPNOS_TARGETS:
         row = by.get(deployment)
         if row is None:
             continue
-        check(deployment, "(a) server ms above the engine, p50, non-streamed max_tokens 1",
-              row["call_above_engine_ms"], None, None, "<=", TARGET_OVERHEAD_MS)
+        check(
+            deployment,
+            "(a) server ms above the engine, p50, non-streamed max_tokens 1",
+            row["call_above_engine_ms"],
+            None,
+            None,
+            "<=",
+            TARGET_OVERHEAD_MS,
+            absolute=True,
+        )
         ref = peer_lcs["ttft_ms"] if peer_lcs else None
-        check(deployment, "(b) TTFT p50 ms / llama_cpp.server's", row["ttft_ms"], ref, _ratio(row["ttft_ms"], ref),
-              "<=", TARGET_TTFT_VS_LLAMA_CPP_SERVER)
+        check(
+            deployment,
+            "(b) TTFT p50 ms / llama_cpp.server's",
+            row["ttft_ms"],
+            ref,
+            _ratio(row["ttft_ms"], ref),
+            "<=",
+            TARGET_TTFT_VS_LLAMA_CPP_SERVER,
+        )
         ref = peer_ls["decode_tokens_per_s"] if peer_ls else None
-        check(deployment, "(c) streamed decode tok/s / llama-server's", row["decode_tokens_per_s"], ref,
-              _ratio(row["decode_tokens_per_s"], ref), ">=", TARGET_DECODE_VS_LLAMA_SERVER[deployment])
+        check(
+            deployment,
+            "(c) streamed decode tok/s / llama-server's",
+            row["decode_tokens_per_s"],
+            ref,
+            _ratio(row["decode_tokens_per_s"], ref),
+            ">=",
+            TARGET_DECODE_VS_LLAMA_SERVER[deployment],
+        )
         ref = peer_ls["concurrent_aggregate_tokens_per_s"] if peer_ls else None
-        check(deployment, f"(d) {SLOTS} streams aggregate tok/s / llama-server's, {SLOTS} slots",
-              row["concurrent_aggregate_tokens_per_s"], ref, _ratio(row["concurrent_aggregate_tokens_per_s"], ref),
-              ">=", TARGET_AGGREGATE_VS_LLAMA_SERVER)
-        check(deployment, f"(e) single stream after (d) / before (d), {SLOTS}-slot model",
-              row["after_tokens_per_s"], row["before_tokens_per_s"],
-              _ratio(row["after_tokens_per_s"], row["before_tokens_per_s"]), ">=", TARGET_AFTER_VS_BEFORE)
+        check(
+            deployment,
+            f"(d) {SLOTS} streams aggregate tok/s / llama-server's, {SLOTS} slots",
+            row["concurrent_aggregate_tokens_per_s"],
+            ref,
+            _ratio(row["concurrent_aggregate_tokens_per_s"], ref),
+            ">=",
+            TARGET_AGGREGATE_VS_LLAMA_SERVER,
+        )
+        check(
+            deployment,
+            f"(e) single stream after (d) / before (d), {SLOTS}-slot model",
+            row["after_tokens_per_s"],
+            row["before_tokens_per_s"],
+            _ratio(row["after_tokens_per_s"], row["before_tokens_per_s"]),
+            ">=",
+            TARGET_AFTER_VS_BEFORE,
+        )
     return out
 
 
-def _table(header: list[str], body: list[list[str]]) -> str:
+def _table(header: list[str], body: list[list[str]], left: int = 1) -> str:
+    """Columns padded to their widest cell; the first `left` ones flush left, the rest right."""
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
         pairs = enumerate(zip(cells, widths, strict=True))
-        return " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
+        return " | ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in pairs)
 
     return "\n".join([line(header), "-+-".join("-" * w for w in widths), *(line(cells) for cells in body)])
 
 
 def render_figures(rows: list[dict[str, Any]]) -> str:
-    header = ["target", "(a) p50 ms", "engine ms", "above engine", "(b) TTFT ms", "(c) tok/s", "slots",
-              "before tok/s", "(d) aggr tok/s", "(e) after tok/s", "after idle"]
-    body = [[
-        row["target"], _fmt(row["call_client_ms"], 2), _fmt(row["call_engine_ms"], 2),
-        _fmt(row["call_above_engine_ms"], 2), _fmt(row["ttft_ms"], 2), _fmt(row["decode_tokens_per_s"]),
-        "-" if row["target"] == "raw" else ("none" if row["slots"] is None else str(row["slots"])),
-        _fmt(row["before_tokens_per_s"]), _fmt(row["concurrent_aggregate_tokens_per_s"]),
-        _fmt(row["after_tokens_per_s"]), _fmt(row["after_idle_tokens_per_s"]),
-    ] for row in rows]
+    header = [
+        "target",
+        "(a) p50 ms",
+        "engine ms",
+        "above engine",
+        "(b) TTFT ms",
+        "(c) tok/s",
+        "slots",
+        "before tok/s",
+        "(d) aggr tok/s",
+        "(e) after tok/s",
+        "after idle",
+    ]
+    body = [
+        [
+            row["target"],
+            _fmt(row["call_client_ms"], 2),
+            _fmt(row["call_engine_ms"], 2),
+            _fmt(row["call_above_engine_ms"], 2),
+            _fmt(row["ttft_ms"], 2),
+            _fmt(row["decode_tokens_per_s"]),
+            "-" if row["target"] == "raw" else ("none" if row["slots"] is None else str(row["slots"])),
+            _fmt(row["before_tokens_per_s"]),
+            _fmt(row["concurrent_aggregate_tokens_per_s"]),
+            _fmt(row["after_tokens_per_s"]),
+            _fmt(row["after_idle_tokens_per_s"]),
+        ]
+        for row in rows
+    ]
     return _table(header, body)
 
 
 def render_checks(rows: list[dict[str, Any]]) -> str:
     header = ["deployment", "check", "value", "reference", "ratio", "target", "result"]
-    body = [[
-        row["deployment"], row["check"], _fmt(row["value"], 2), _fmt(row["reference"], 2), _fmt(row["ratio"], 2),
-        row["target"], {True: "pass", False: "FAIL", None: "-"}[row["pass"]],
-    ] for row in rows]
-    return _table(header, body)
+    body = [
+        [
+            row["deployment"],
+            row["check"],
+            _fmt(row["value"], 2),
+            _fmt(row["reference"], 2),
+            _fmt(row["ratio"], 2),
+            row["target"],
+            {True: "pass", False: "FAIL", None: "-"}[row["pass"]],
+        ]
+        for row in rows
+    ]
+    return _table(header, body, left=2)
 
 
-def write_json(path: Path, settings: Settings, results: list[TargetResult], rows: list[dict[str, Any]],
-               check_rows: list[dict[str, Any]], machine: dict[str, Any]) -> None:
+def write_json(
+    path: Path,
+    settings: Settings,
+    results: list[TargetResult],
+    rows: list[dict[str, Any]],
+    check_rows: list[dict[str, Any]],
+    machine: dict[str, Any],
+) -> None:
     document = {
         "benchmark": "bench/server_cost.py",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "settings": {**{k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
-                     "model_id": MODEL_ID, "messages": MESSAGES, "temperature": 0.0, "context_len": CONTEXT_LEN,
-                     "slots": SLOTS},
+        "settings": {
+            **{k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
+            "model_id": MODEL_ID,
+            "messages": MESSAGES,
+            "temperature": 0.0,
+            "context_len": CONTEXT_LEN,
+            "slots": SLOTS,
+        },
         "machine": machine,
         "summary": rows,
         "checks": check_rows,
         "targets": {
             r.target: {
-                "info": r.info, "notes": r.notes, "failures": r.failures,
-                "series": {name: {"samples": [asdict(s) for s in series.samples],
-                                  "discarded": [asdict(s) for s in series.discarded]}
-                           for name, series in r.series.items()},
+                "info": r.info,
+                "notes": r.notes,
+                "failures": r.failures,
+                "series": {
+                    name: {
+                        "samples": [asdict(s) for s in series.samples],
+                        "discarded": [asdict(s) for s in series.discarded],
+                    }
+                    for name, series in r.series.items()
+                },
             }
             for r in results
         },
@@ -967,35 +1187,60 @@ def machine_info() -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--only", action="append", choices=TARGETS, help="run only this target (repeatable)")
-    parser.add_argument("--runs", type=int, default=5, help="streams per measurement (c, e) and rounds of (d) "
-                        "(default 5)")
+    parser.add_argument(
+        "--runs", type=int, default=5, help="streams per measurement (c, e) and rounds of (d) (default 5)"
+    )
     parser.add_argument("--calls", type=int, default=21, help="samples of (a) and of (b) (default 21)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens of each decode stream (default 128)")
     parser.add_argument("--ttft-max-tokens", type=int, default=4, help="max_tokens of the TTFT streams (default 4)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="engine threads of every target (default: every core)")
-    parser.add_argument("--idle-secs", type=float, default=IDLE_AFTER_CONCURRENT_SECS,
-                        help=f"how long the {SLOTS}-slot server sits idle before the last single streams "
-                             f"(default {IDLE_AFTER_CONCURRENT_SECS:g})")
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="engine threads of every target (default: every core)"
+    )
+    parser.add_argument(
+        "--idle-secs",
+        type=float,
+        default=IDLE_AFTER_CONCURRENT_SECS,
+        help=f"how long the {SLOTS}-slot server sits idle before the last single streams "
+        f"(default {IDLE_AFTER_CONCURRENT_SECS:g})",
+    )
     parser.add_argument("--retries", type=int, default=2, help="times a failed request is sent again (default 2)")
-    parser.add_argument("--wait-idle", type=float, default=30.0, metavar="SECS",
-                        help=f"wait up to SECS for the CPU to be >= {QUIET_IDLE_PCT:g}%% idle before a "
-                             "measurement (default 30; 0: do not wait)")
-    parser.add_argument("--max-foreign-cpu", type=float, default=10.0, metavar="PCT",
-                        help="a sample during which other processes took more than PCT%% of the CPU is measured "
-                             "again (default 10)")
-    parser.add_argument("--redo", type=int, default=None, metavar="N",
-                        help="at most N disturbed samples per measurement are measured again (default: --runs)")
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=30.0,
+        metavar="SECS",
+        help=f"wait up to SECS for the CPU to be >= {QUIET_IDLE_PCT:g}%% idle before a "
+        "measurement (default 30; 0: do not wait)",
+    )
+    parser.add_argument(
+        "--max-foreign-cpu",
+        type=float,
+        default=10.0,
+        metavar="PCT",
+        help="a sample during which other processes took more than PCT%% of the CPU is measured again (default 10)",
+    )
+    parser.add_argument(
+        "--redo",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N disturbed samples per measurement are measured again (default: --runs)",
+    )
     parser.add_argument("--setup-only", action="store_true", help="build or find the peers in the cache, then stop")
     parser.add_argument("--json", type=Path, help="also write every sample and the summary to this file")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
     if args.redo is None:
         args.redo = args.runs
-    if min(args.runs, args.calls, args.threads, args.ttft_max_tokens) < 1 or args.max_tokens < 2 \
-            or min(args.retries, args.wait_idle, args.redo, args.idle_secs) < 0:
-        parser.error("--runs, --calls, --threads, --ttft-max-tokens >= 1, --max-tokens >= 2, "
-                     "--retries, --wait-idle, --redo, --idle-secs >= 0")
+    if (
+        min(args.runs, args.calls, args.threads, args.ttft_max_tokens) < 1
+        or args.max_tokens < 2
+        or min(args.retries, args.wait_idle, args.redo, args.idle_secs) < 0
+    ):
+        parser.error(
+            "--runs, --calls, --threads, --ttft-max-tokens >= 1, --max-tokens >= 2, "
+            "--retries, --wait-idle, --redo, --idle-secs >= 0"
+        )
     return args
 
 
@@ -1011,8 +1256,11 @@ def main(argv: list[str] | None = None) -> int:
     from chat_stream import _stop_on_sigterm
 
     _stop_on_sigterm()
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     targets = [t for t in TARGETS if t in (args.only or TARGETS)]
     peers = setup_peers(targets)
@@ -1023,14 +1271,28 @@ def main(argv: list[str] | None = None) -> int:
     if not weights.exists():
         log.error("the model file %s is missing; run ./run.sh setup first", weights)
         return 1
-    settings = Settings(weights=weights, threads=args.threads, max_tokens=args.max_tokens,
-                        ttft_max_tokens=args.ttft_max_tokens, runs=args.runs, calls=args.calls,
-                        retries=args.retries, wait_idle_secs=args.wait_idle,
-                        max_foreign_cpu_pct=args.max_foreign_cpu, redo=args.redo, idle_secs=args.idle_secs)
+    settings = Settings(
+        weights=weights,
+        threads=args.threads,
+        max_tokens=args.max_tokens,
+        ttft_max_tokens=args.ttft_max_tokens,
+        runs=args.runs,
+        calls=args.calls,
+        retries=args.retries,
+        wait_idle_secs=args.wait_idle,
+        max_foreign_cpu_pct=args.max_foreign_cpu,
+        redo=args.redo,
+        idle_secs=args.idle_secs,
+    )
     machine = machine_info()
     idle = cpu_idle_pct()
-    log.info("targets %s; %d threads; load average %s; %s%% idle now", targets, settings.threads,
-             machine["loadavg"], _fmt(idle, 0))
+    log.info(
+        "targets %s; %d threads; load average %s; %s%% idle now",
+        targets,
+        settings.threads,
+        machine["loadavg"],
+        _fmt(idle, 0),
+    )
     results = []
     with tempfile.TemporaryDirectory(prefix="hypnos-server-cost-") as tmp:
         work_dir = Path(tmp)
@@ -1040,21 +1302,30 @@ def main(argv: list[str] | None = None) -> int:
     machine["loadavg_end"] = os.getloadavg()
     rows = summary(results)
     check_rows = checks(rows)
-    print(f"SmolLM2-135M-Instruct ({weights.name}), {settings.threads} threads, greedy, warm prompt; "
-          f"(a)/(b) {settings.calls} samples, (b) max_tokens {settings.ttft_max_tokens}, (c)-(e) {settings.runs} "
-          f"x {settings.max_tokens} tokens, (d) {SLOTS} streams; load average {machine['loadavg'][0]:.2f} at the "
-          f"start, {machine['loadavg_end'][0]:.2f} at the end")
+    print(
+        f"SmolLM2-135M-Instruct ({weights.name}), {settings.threads} threads, greedy, warm prompt; "
+        f"(a)/(b) {settings.calls} samples, (b) max_tokens {settings.ttft_max_tokens}, (c)-(e) {settings.runs} "
+        f"x {settings.max_tokens} tokens, (d) {SLOTS} streams; load average {machine['loadavg'][0]:.2f} at the "
+        f"start, {machine['loadavg_end'][0]:.2f} at the end"
+    )
     print(render_figures(rows))
     print()
     print(render_checks(check_rows))
     for result in results:
         for note in result.notes:
             print(f"note: {note}")
-    print("tokens: " + "; ".join(f"{row['target']} {row['prompt_tokens']} prompt + {row['completion_tokens']} "
-                                 "completion" for row in rows))
-    print("samples disturbed by other processes (kept / redone): " + ", ".join(
-        f"{row['target']} {row['disturbed_samples']}/{row['discarded_samples']}" for row in rows)
-        + "; failed requests (retried): " + ", ".join(f"{row['target']} {row['failed_requests']}" for row in rows))
+    print(
+        "tokens: "
+        + "; ".join(
+            f"{row['target']} {row['prompt_tokens']} prompt + {row['completion_tokens']} completion" for row in rows
+        )
+    )
+    print(
+        "samples disturbed by other processes (kept / redone): "
+        + ", ".join(f"{row['target']} {row['disturbed_samples']}/{row['discarded_samples']}" for row in rows)
+        + "; failed requests (retried): "
+        + ", ".join(f"{row['target']} {row['failed_requests']}" for row in rows)
+    )
     if args.json:
         write_json(args.json, settings, results, rows, check_rows, machine)
     return 0

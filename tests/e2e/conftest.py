@@ -12,7 +12,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,20 +215,29 @@ def distributed(tmp_path_factory, redis_url: str, postgres_url: str) -> Iterator
             proc.stop()
 
 
-@pytest.fixture(scope="session")
-def embedded(tmp_path_factory) -> Iterator[Server]:
-    """`python -m hypnos_site.serve` alone: SQLite, in-process worker, no services."""
-    directory = tmp_path_factory.mktemp("embedded")
+@contextmanager
+def embedded_server(name: str, directory: Path, edit: Callable[[str], str] = lambda text: text) -> Iterator[Server]:
+    """`python -m hypnos_site.serve` alone on the suite's config (passed through `edit`): SQLite,
+    in-process worker, no services; stopped when the block ends."""
+    config = write_config(directory)
+    config.write_text(edit(config.read_text()))
     port = free_port()
-    env = base_env(write_config(directory), directory, HYPNOS_PORT=str(port))
+    env = base_env(config, directory, HYPNOS_PORT=str(port))
     run_manage(["migrate", "--no-input", "-v0"], env)
-    web = start("daphne-embedded", ["-m", "hypnos_site.serve"], env, directory)
+    web = start(f"daphne-{name}", ["-m", "hypnos_site.serve"], env, directory)
     server = Server(f"http://127.0.0.1:{port}", env, [web])
     try:
         wait_ready(server.base_url, web)
         yield server
     finally:
         web.stop()
+
+
+@pytest.fixture(scope="session")
+def embedded(tmp_path_factory) -> Iterator[Server]:
+    """`python -m hypnos_site.serve` alone: SQLite, in-process worker, no services."""
+    with embedded_server("embedded", tmp_path_factory.mktemp("embedded")) as server:
+        yield server
 
 
 @pytest.fixture(params=["embedded", "distributed"])

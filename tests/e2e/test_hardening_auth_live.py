@@ -13,7 +13,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from tests.e2e.conftest import Server, base_env, free_port, run_manage, start, wait_ready, write_config
+from tests.e2e.conftest import Server, embedded_server
 
 pytestmark = pytest.mark.e2e
 ADMIN, PLAIN = "sk-live-admin", "sk-live-plain"
@@ -22,19 +22,10 @@ KEYS_TOML = f'[server]\napi_keys = ["{ADMIN}"]\nkeys = [{{ key = "{PLAIN}", labe
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory) -> Iterator[Server]:
-    directory = tmp_path_factory.mktemp("keyed")
-    config = write_config(directory)
-    config.write_text(config.read_text().replace("[server]\n", KEYS_TOML, 1))
-    port = free_port()
-    env = base_env(config, directory, HYPNOS_PORT=str(port))
-    run_manage(["migrate", "--no-input", "-v0"], env)
-    web = start("daphne-keyed", ["-m", "hypnos_site.serve"], env, directory)
-    server = Server(f"http://127.0.0.1:{port}", env, [web])
-    try:
-        wait_ready(server.base_url, web)
+    with embedded_server(
+        "keyed", tmp_path_factory.mktemp("keyed"), lambda text: text.replace("[server]\n", KEYS_TOML, 1)
+    ) as server:
         yield server
-    finally:
-        web.stop()
 
 
 def bearer(key: str) -> dict[str, str]:

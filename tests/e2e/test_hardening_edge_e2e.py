@@ -14,7 +14,7 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from tests.conftest import PARIS_MESSAGES
-from tests.e2e.conftest import Server, base_env, free_port, run_manage, start, wait_ready, write_config
+from tests.e2e.conftest import Server, embedded_server
 
 pytestmark = pytest.mark.e2e
 LIMIT = 64 * 1024
@@ -24,19 +24,12 @@ CHAT = {"model": "smollm2-135m", "messages": PARIS_MESSAGES, "max_tokens": 8, "t
 @pytest.fixture(scope="module")
 def capped(tmp_path_factory) -> Iterator[Server]:
     """The embedded server with limits.max_body_bytes = 64 KiB."""
-    directory = tmp_path_factory.mktemp("edge")
-    config = write_config(directory)
-    config.write_text(config.read_text().replace("[limits]\n", f"[limits]\nmax_body_bytes = {LIMIT}\n", 1))
-    port = free_port()
-    env = base_env(config, directory, HYPNOS_PORT=str(port))
-    run_manage(["migrate", "--no-input", "-v0"], env)
-    web = start("daphne-edge", ["-m", "hypnos_site.serve"], env, directory)
-    server = Server(f"http://127.0.0.1:{port}", env, [web])
-    try:
-        wait_ready(server.base_url, web)
+    with embedded_server(
+        "edge",
+        tmp_path_factory.mktemp("edge"),
+        lambda text: text.replace("[limits]\n", f"[limits]\nmax_body_bytes = {LIMIT}\n", 1),
+    ) as server:
         yield server
-    finally:
-        web.stop()
 
 
 def open_socket(server: Server) -> socket.socket:

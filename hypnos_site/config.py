@@ -106,6 +106,11 @@ class ServerConfig(_Strict):
     # emptied (its next turn prefills from the start) and is never parked (spec §14); unset
     # keeps a conversation's KV until its slot is reused.
     kv_idle_timeout_secs: float | None = Field(default=None, gt=0)
+    # The picture store of document conversions with return_pictures (spec §12): how long a
+    # document's pictures are kept, and the most bytes all documents' pictures may take on disk
+    # (under data_dir/pictures) before the oldest documents are deleted to make room.
+    document_pictures_ttl_secs: float = Field(default=3600, gt=0)
+    document_pictures_max_bytes: int = Field(default=1 << 30, ge=1)
 
     @field_validator("request_log_redact")
     @classmethod

@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 from django.contrib import admin
+from django.db.models import Count
 
-from logs.models import RequestLogEntry
+from logs.models import RequestLogEntry, StoredDocument, StoredPicture
 
 
 @admin.register(RequestLogEntry)
@@ -28,4 +29,56 @@ class RequestLogEntryAdmin(admin.ModelAdmin):
         return False
 
     def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+
+@admin.register(StoredDocument)
+class StoredDocumentAdmin(admin.ModelAdmin):
+    """Read-only: the picture store writes and deletes documents with their files (logs.pictures);
+    a row deleted here would leave its files behind."""
+
+    list_display = [
+        "id",
+        "filename",
+        "model",
+        "owner_label",
+        "created_at",
+        "expires_at",
+        "picture_count",
+        "total_bytes",
+    ]
+    list_filter = ["model", "owner_label"]
+    search_fields = ["id", "filename"]
+
+    def get_queryset(self, request):  # type: ignore[no-untyped-def]
+        return super().get_queryset(request).annotate(picture_count=Count("pictures"))
+
+    @admin.display(description="pictures", ordering="picture_count")
+    def picture_count(self, document: StoredDocument) -> int:
+        return document.picture_count  # type: ignore[attr-defined]
+
+    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+
+@admin.register(StoredPicture)
+class StoredPictureAdmin(admin.ModelAdmin):
+    """Read-only, like the documents."""
+
+    list_display = ["document", "index", "page", "width", "height", "bytes", "caption"]
+    search_fields = ["document__id", "caption"]
+
+    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
         return False

@@ -74,3 +74,58 @@ class RequestLogEntry(models.Model):
             if getattr(self, name) is not None:
                 record[name] = getattr(self, name)
         return record
+
+
+# -- the picture store of document conversions (spec §12) -----------------------------------------
+
+
+class StoredDocument(models.Model):
+    """A conversion made with return_pictures: its pictures stay until `expires_at`, an explicit
+    delete, or the store's size cap (oldest documents first). logs.pictures owns the rows and
+    their files; deleting a row by other means leaves its files behind."""
+
+    id = models.CharField(max_length=40, primary_key=True)
+    # The label of the key that converted it (labels name keys everywhere, as in the request
+    # log); null when no key was configured. Only that key and admin keys see the document.
+    owner_label = models.CharField(max_length=100, null=True, blank=True)
+    filename = models.CharField(max_length=255, blank=True, default="")
+    model = models.CharField(max_length=200)
+    created_at = models.DateTimeField()
+    expires_at = models.DateTimeField(db_index=True)
+    # The pictures' bytes, kept here so the size cap is one sum, not a walk of the files.
+    total_bytes = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        verbose_name = "stored document"
+        ordering = ["created_at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.id} {self.filename}".strip()
+
+
+class StoredPicture(models.Model):
+    """One picture of a StoredDocument; the image is the file at `file`, under data_dir."""
+
+    document = models.ForeignKey(StoredDocument, on_delete=models.CASCADE, related_name="pictures")
+    # 1-based, across the document in Markdown order (spec §12).
+    index = models.PositiveIntegerField()
+    page = models.PositiveIntegerField()
+    mime = models.CharField(max_length=50, default="image/png")
+    bytes = models.PositiveBigIntegerField()
+    width = models.PositiveIntegerField()
+    height = models.PositiveIntegerField()
+    dpi = models.PositiveIntegerField(null=True, blank=True)
+    bbox = models.JSONField(null=True, blank=True)
+    page_size = models.JSONField(null=True, blank=True)
+    caption = models.TextField(null=True, blank=True)
+    ref = models.TextField(null=True, blank=True)
+    # Relative to data_dir, written by the store only: requests never name a file.
+    file = models.CharField(max_length=300)
+
+    class Meta:
+        verbose_name = "stored picture"
+        ordering = ["document", "index"]
+        constraints = [models.UniqueConstraint(fields=["document", "index"], name="unique_picture_index")]
+
+    def __str__(self) -> str:
+        return f"{self.document_id} #{self.index}"

@@ -4,19 +4,28 @@ inference calls, so polling them is never logged itself.
 The records hold other callers' prompts and answers, so a key that is not an admin key reads
 only the records of its own label, and only admin keys clear the log or change its level (with
 no key configured the API is open, as everywhere).
+
+/v1/documents/{id}/pictures* and DELETE /v1/documents/{id} (spec §12) serve the picture store
+(logs.pictures) the same way: a key sees the documents it converted, admin keys see all. Neither
+kind of route needs the inference worker, so both answer during startup staging.
 """
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from adrf.views import APIView
+from asgiref.sync import sync_to_async
 from django.db.models import QuerySet
-from django.http import JsonResponse
+from django.http import HttpResponse, JsonResponse
+from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.request import Request
 
 from hypnos_site.errors import InvalidRequest, NotFound
+from logs import pictures
 from logs.models import RequestLogEntry
 from logs.store import LogQuery, capacity, levels
-from models_registry.authentication import IsAdminKey, IsAdminKeyForChanges, is_admin
+from models_registry.authentication import ApiPrincipal, IsAdminKey, IsAdminKeyForChanges, is_admin
 
 
 def visible_entries(request: Request) -> QuerySet[RequestLogEntry]:
@@ -60,3 +69,43 @@ class RequestLogLevelView(APIView):
             raise InvalidRequest('The body must be {"level": "off|error|warn|info|debug|trace"}.', param="level")
         await levels.set(level)
         return JsonResponse({"level": level})
+
+
+def principal(request: Request) -> ApiPrincipal | None:
+    """The caller: ApiKeyAuthentication, the only authentication class, leaves its principal in
+    request.auth, or None when no key is configured."""
+    return cast(ApiPrincipal | None, request.auth)
+
+
+class PngRenderer(BaseRenderer):
+    """Lets `?format=image` through DRF's content negotiation (its URL_FORMAT_OVERRIDE would
+    answer 404 for a format no renderer has); the view writes the bytes itself."""
+
+    media_type = "image/png"
+    format = "image"
+
+    def render(self, data: Any, accepted_media_type: str | None = None, renderer_context: Any = None) -> Any:
+        return data
+
+
+class DocumentPicturesView(APIView):
+    async def get(self, request: Request, document_id: str) -> JsonResponse:
+        return JsonResponse(await sync_to_async(pictures.list_pictures)(document_id, principal(request)))
+
+
+class DocumentPictureView(APIView):
+    renderer_classes = [JSONRenderer, PngRenderer]
+
+    async def get(self, request: Request, document_id: str, index: int) -> HttpResponse:
+        picture = await sync_to_async(pictures.find_picture)(document_id, index, principal(request))
+        if request.query_params.get("format") == "image":
+            response = HttpResponse(await sync_to_async(pictures.read_image)(picture), content_type=picture.mime)
+            response["Cache-Control"] = "private, no-store"
+            return response
+        return JsonResponse(await sync_to_async(pictures.picture_record)(picture, with_image=True))
+
+
+class DocumentView(APIView):
+    async def delete(self, request: Request, document_id: str) -> JsonResponse:
+        await sync_to_async(pictures.delete_document)(document_id, principal(request))
+        return JsonResponse({"object": "document.deleted", "id": document_id, "deleted": True})

@@ -313,6 +313,8 @@ ENGINE_CLASSES = {
     "ggml_whisper": "inference.engines.whisper.WhisperEngine",
     # Speech voices in ONNX (Piper here; Kokoro on a GPU box).
     "onnx_runtime": "inference.engines.speech.OnnxSpeechEngine",
+    # Document conversion: docling's model-free backends plus PP-OCRv4 on onnxruntime.
+    "docling": "inference.engines.document.DoclingEngine",
 }
 
 

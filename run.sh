@@ -6,6 +6,8 @@
 #   ./run.sh            serve on the configured port (default 9999), embedded deployment
 #   ./run.sh test [..]  run the whole test suite (arguments go to pytest)
 #   ./run.sh worker     run the inference worker of the distributed deployment
+#   ./run.sh jobs       run a Celery worker for the long jobs (document conversion) of the
+#                       distributed deployment (`celery -A hypnos_site worker` on the Redis broker)
 #   ./run.sh setup      only set up
 #   ./run.sh lint       ruff check, ruff format --check and mypy (the gates ./run.sh test runs first)
 #   ./run.sh models <id>[:<quant>] [..]  download catalog variants into models_dir (venv step
@@ -116,6 +118,15 @@ case "$cmd" in
     setup
     exec "$VENV/bin/python" manage.py runinference
     ;;
+  jobs)
+    setup
+    # Threads: a job waits on the inference worker most of the time; several share one process.
+    read -r queue concurrency < <("$VENV/bin/python" -c 'from hypnos_site.config import get_config
+s = get_config().server
+print(f"{s.channel_prefix}.jobs", s.job_concurrency)')
+    exec "$VENV/bin/celery" -A hypnos_site worker --pool threads --concurrency "$concurrency" \
+      --queues "$queue" --loglevel INFO "$@"
+    ;;
   setup)
     setup
     ;;
@@ -135,7 +146,7 @@ case "$cmd" in
     exec "$VENV/bin/python" manage.py catalogblock "$@"
     ;;
   *)
-    echo "usage: ./run.sh [serve|test|lint|worker|setup|models|advise|--catalog-block] [args...]" >&2
+    echo "usage: ./run.sh [serve|test|lint|worker|jobs|setup|models|advise|--catalog-block] [args...]" >&2
     exit 2
     ;;
 esac

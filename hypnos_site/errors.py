@@ -69,6 +69,14 @@ class UnsupportedMediaType(InvalidRequest):
     code = "unsupported_media_type"
 
 
+class PayloadTooLarge(InvalidRequest):
+    """An upload above the route's own limit (limits.max_document_bytes): the JSON envelope,
+    unlike the plain-text 413 of the body-limit layer (spec §4)."""
+
+    status = 413
+    type = "payload_too_large"
+
+
 class AuthenticationError(HypnosError):
     status = 401
     type = "invalid_request_error"

@@ -113,6 +113,10 @@ WEB_FAMILIES: dict[str, Family] = {
     "hypnos_tts_rtf": Family("histogram", "Speech synthesis time per second of audio.", ("model",), RTF_BUCKETS),
     "hypnos_tts_ttfa_ms": Family("histogram", "Time to the first audio of speech calls, ms.", ("model",), MS_BUCKETS),
     "hypnos_stt_rtf": Family("histogram", "Transcription time per second of audio.", ("model",), RTF_BUCKETS),
+    "hypnos_document_ms_per_page": Family(
+        "histogram", "Document conversion time per page, ms.", ("model",), MS_BUCKETS
+    ),
+    "hypnos_document_pages": Family("counter", "Document pages converted.", ("model",)),
 }
 
 

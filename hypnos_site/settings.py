@@ -68,6 +68,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "channels",
     "django_prometheus",
+    "django_celery_results",
     "models_registry",
     "logs",
     "inference",
@@ -138,6 +139,25 @@ if HYPNOS.server.deployment == "distributed":
     }
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# Long jobs (hypnos_site/celery.py). Embedded: tasks run in the server process, no broker.
+_DISTRIBUTED = HYPNOS.server.deployment == "distributed"
+CELERY_BROKER_URL = HYPNOS.server.redis_url if _DISTRIBUTED else "memory://"
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_ALWAYS_EAGER = not _DISTRIBUTED
+CELERY_TASK_STORE_EAGER_RESULT = True
+CELERY_RESULT_BACKEND = "django-db"
+CELERY_RESULT_EXTENDED = True
+CELERY_TASK_TRACK_STARTED = True
+# One job per worker thread at a time; a job is acknowledged when it ends, so a worker that
+# dies mid-job leaves it to be noticed (its stream ends with an error), not silently lost.
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_ACKS_LATE = False
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+CELERY_TASK_DEFAULT_QUEUE = f"{HYPNOS.server.channel_prefix}.jobs"
 
 # Django reads whole bodies into memory up to this size; above it RequestDataTooBig (413).
 DATA_UPLOAD_MAX_MEMORY_SIZE = HYPNOS.limits.max_body_bytes

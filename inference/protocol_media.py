@@ -75,3 +75,32 @@ class TranscriptionRequest(_Wire):
         if value not in TRANSCRIPTION_FORMATS:
             raise ValueError(f"must be one of {', '.join(TRANSCRIPTION_FORMATS)}")
         return value
+
+
+# Multipart booleans (spec §12): what a form field may say for true and for false.
+FORM_TRUE = ("true", "1", "yes", "on")
+FORM_FALSE = ("false", "0", "no", "off")
+
+
+class DocumentConvertRequest(_Wire):
+    """POST /v1/documents/convert (spec §12), its JSON fields or multipart parts; `file` here
+    is the JSON form (base64 or a data: URI), an uploaded part is taken apart."""
+
+    model: str = Field(min_length=1)
+    file: str | None = None
+    url: str | None = None
+    filename: str | None = Field(default=None, max_length=255)
+    pages: str | None = Field(default=None, max_length=32)
+    ocr: bool = True
+    output_format: Literal["markdown", "json"] = "markdown"
+    stream: bool = False
+    describe_pictures: str | None = None
+    return_pictures: bool = False
+
+    @field_validator("filename")
+    @classmethod
+    def _plain_name(cls, value: str | None) -> str | None:
+        # Only a name: it names the format and the response, never a path on this machine.
+        if value is not None and ("\x00" in value or "/" in value or "\\" in value):
+            raise ValueError("must be a file name, without a path or NUL characters")
+        return value

@@ -21,5 +21,6 @@ urlpatterns = [
     path("embeddings", views.EmbeddingsView.as_view()),
     path("audio/transcriptions", views.AudioTranscriptionsView.as_view()),
     path("audio/speech", views.AudioSpeechView.as_view()),
+    path("documents/convert", views.DocumentConvertView.as_view()),
     re_path(r"^.*$", views.UnknownRouteView.as_view()),
 ]

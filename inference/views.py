@@ -26,7 +26,18 @@ from inference.protocol import (
 )
 from inference.protocol_media import EmbeddingRequest, SpeechRequest
 from inference.runtime import get_client
-from inference.serving import advisor, audio, chat, completions, embeddings, lemonade, models, pool, responses
+from inference.serving import (
+    advisor,
+    audio,
+    chat,
+    completions,
+    documents,
+    embeddings,
+    lemonade,
+    models,
+    pool,
+    responses,
+)
 from inference.serving.context import RequestContext
 from models_registry.authentication import IsAdminKey, IsAdminKeyForChanges, is_admin
 
@@ -171,6 +182,15 @@ class AudioTranscriptionsView(_AnyAccept, APIView):
     async def post(self, request: Request) -> object:
         body, audio_data = audio.transcription_request(request.data)
         return await audio.create_transcription(get_client(), body, audio_data, RequestContext.of(request._request))
+
+
+class DocumentConvertView(_AnyAccept, APIView):
+    # Multipart (the document as a part) or JSON (base64, a data: URI or a url); spec §12.
+    parser_classes = [MultiPartParser, JSONParser]
+
+    async def post(self, request: Request) -> object:
+        owner = getattr(request.auth, "label", None)
+        return await documents.convert_document(get_client(), request.data, RequestContext.of(request._request), owner)
 
 
 class AudioSpeechView(_AnyAccept, APIView):

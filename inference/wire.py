@@ -102,8 +102,18 @@ class ImageWork(_Work):
 
 
 class DocumentWork(_Work):
+    """A document conversion (spec §12): the upload as a spool file the job removes, the pages
+    asked for, and where the worker writes the pictures' PNGs when they are wanted."""
+
     kind: Literal["document"] = "document"
-    options: dict[str, Any] = {}
+    path: str
+    filename: str | None = None
+    # "3", "2-5"; None: every page. Checked against the page count before `started`.
+    pages: str | None = None
+    ocr: bool = True
+    want_json: bool = False
+    picture_dir: str | None = None
+    max_pages: int = 1000
 
 
 class EntityWork(_Work):
@@ -295,6 +305,58 @@ class VectorChunk:
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
+class DocumentOpened:
+    """The document is read: its page count, the pages that will follow, how it is converted.
+    A job adds the picture store's document id when it keeps the pictures."""
+
+    kind: Literal["document_opened"] = "document_opened"
+    page_count: int
+    pages: list[int]
+    format: str
+    pipeline: str
+    document_id: str | None = None
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class PictureFile:
+    """One picture of a converted page: its PNG in the request's picture_dir and its place."""
+
+    path: str
+    width: int
+    height: int
+    dpi: int | None = None
+    bbox: dict[str, Any] | None = None
+    page_size: dict[str, Any] | None = None
+    caption: str | None = None
+    ref: str | None = None
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class DocumentPage:
+    """One converted page, as soon as it is ready (worker to job)."""
+
+    kind: Literal["document_page"] = "document_page"
+    page: int
+    markdown: str
+    tables: int
+    ms: float
+    ocr: bool = False
+    json: dict[str, Any] | None = None
+    # Every picture of the page; their files only when the request wants them (`pictures`).
+    picture_count: int = 0
+    pictures: list[PictureFile] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class PageReady:
+    """A page as the client gets it (job to HTTP stream): the spec's page object, pictures
+    described and stored."""
+
+    kind: Literal["page_ready"] = "page_ready"
+    page: dict[str, Any]
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -366,7 +428,20 @@ def _error_classes() -> dict[str, type[HypnosError]]:
 
 
 EngineEvent = Annotated[
-    Queued | Accepted | Heartbeat | Started | Delta | Reasoning | AudioChunk | VectorChunk | Done | Result | Error,
+    Queued
+    | Accepted
+    | Heartbeat
+    | Started
+    | Delta
+    | Reasoning
+    | AudioChunk
+    | VectorChunk
+    | DocumentOpened
+    | DocumentPage
+    | PageReady
+    | Done
+    | Result
+    | Error,
     Field(discriminator="kind"),
 ]
 TERMINAL = (Done, Error, Result)

@@ -3,7 +3,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.db.models import Count
 
-from logs.models import RequestLogEntry, StoredDocument, StoredPicture
+from logs.models import DocumentJob, RequestLogEntry, StoredDocument, StoredPicture
 
 
 @admin.register(RequestLogEntry)
@@ -81,4 +81,34 @@ class StoredPictureAdmin(admin.ModelAdmin):
         return False
 
     def has_delete_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+
+@admin.register(DocumentJob)
+class DocumentJobAdmin(admin.ModelAdmin):
+    """Read-only: the long jobs with their state, pages done and duration (the jobs write them)."""
+
+    list_display = [
+        "created_at",
+        "id",
+        "state",
+        "model",
+        "filename",
+        "owner",
+        "pages_done",
+        "pages_total",
+        "job_duration_ms",
+        "error",
+    ]
+    list_filter = ["state", "model"]
+    search_fields = ["id", "request_id", "filename"]
+
+    @admin.display(description="duration (ms)")
+    def job_duration_ms(self, job: DocumentJob) -> float | None:
+        return job.duration_ms
+
+    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
         return False

@@ -324,6 +324,10 @@ def record_observations(record: CallRecord, route: str, duration_ms: float, ok: 
             found.append(observation("hypnos_tts_ttfa_ms", record.ttfa_ms, model=model))
     elif record.work == "transcribe" and record.rtf is not None:
         found.append(observation("hypnos_stt_rtf", record.rtf, model=model))
+    elif record.work == "document" and isinstance(engine.get("pages"), int):
+        found.append(observation("hypnos_document_pages", engine["pages"], model=model))
+        if isinstance(engine.get("ms_per_page"), (int, float)):
+            found.append(observation("hypnos_document_ms_per_page", engine["ms_per_page"], model=model))
     if record.stages:
         found.append(observation("hypnos_workflow_e2e_ms", duration_ms, route=route))
     return found

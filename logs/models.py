@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.db import models
+from django.utils import timezone
 
 
 class RequestLogEntry(models.Model):
@@ -129,3 +130,43 @@ class StoredPicture(models.Model):
 
     def __str__(self) -> str:
         return f"{self.document_id} #{self.index}"
+
+
+class DocumentJob(models.Model):
+    """A long job (a document conversion run by Celery), for the operator: what it converts, its
+    state, pages done and duration. Its Celery task has the same id (django-celery-results keeps
+    the task's own state and result)."""
+
+    STATES = [(s, s) for s in ("queued", "running", "done", "failed", "cancelled")]
+
+    id = models.CharField(max_length=40, primary_key=True)
+    request_id = models.CharField(max_length=64)
+    model = models.CharField(max_length=200)
+    filename = models.CharField(max_length=255, blank=True)
+    # The label of the API key that asked ("" with no keys configured).
+    owner = models.CharField(max_length=100, blank=True)
+    state = models.CharField(max_length=12, choices=STATES, default="queued")
+    # What the request asked for (inference.document_job.ConversionSpec).
+    spec = models.JSONField(default=dict)
+    pages_total = models.IntegerField(null=True)
+    pages_done = models.IntegerField(default=0)
+    document_id = models.CharField(max_length=64, blank=True)
+    # Set by the web process when the client left; the job stops at its next page.
+    cancel_requested = models.BooleanField(default=False)
+    error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    started_at = models.DateTimeField(null=True)
+    finished_at = models.DateTimeField(null=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.id} {self.state} {self.pages_done}/{self.pages_total or '?'}"
+
+    @property
+    def duration_ms(self) -> float | None:
+        if self.started_at is None:
+            return None
+        end = self.finished_at or timezone.now()
+        return round((end - self.started_at).total_seconds() * 1000, 1)

@@ -104,6 +104,17 @@ def scanned_pdf(path: Path, text: str) -> Path:
     return path
 
 
+def scanned_pages_pdf(path: Path, pages: int) -> Path:
+    """`pages` scanned pages (no text layer): each takes OCR about two seconds on 2 cores, slow
+    enough for a client to leave in the middle."""
+    pdf = FPDF(unit="pt", format="letter")
+    for number in range(1, pages + 1):
+        pdf.add_page()
+        pdf.image(text_image(f"Scanned page {number}\nThe total is {number * 7} euros"), x=36, y=36, w=540)
+    pdf.output(str(path))
+    return path
+
+
 def png_file(path: Path, text: str) -> Path:
     text_image(text).save(path, format="PNG")
     return path

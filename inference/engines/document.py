@@ -73,6 +73,8 @@ class PageResult:
     pictures: list[PictureImage]
     ms: float
     ocr: bool
+    # The page's pictures (its placeholders), also when their images were not asked for.
+    picture_count: int = 0
 
 
 @dataclass
@@ -479,6 +481,7 @@ def _page_result(
         pictures=[_picture(document, picture) for picture in document.pictures] if want_pictures else [],
         ms=ms,
         ocr=read,
+        picture_count=len(document.pictures),
     )
 
 

@@ -83,6 +83,13 @@ class ImagePolicy:
     max_pixels: int
     fetch_timeout_secs: float
     public: Callable[[IpAddress], bool] = is_public
+    # What a remote fetch is for: the request field its errors name, the word for it, the limit
+    # its size is held to and the error above it (documents fetch through the same rules).
+    param: str = "messages"
+    noun: str = "image"
+    limit_name: str = "limits.max_image_bytes"
+    accept: str = "image/*"
+    too_large: Callable[[str], InvalidRequest] = lambda message: InvalidRequest(message, param="messages")
 
     @classmethod
     def from_limits(cls, limits: LimitsConfig) -> ImagePolicy:
@@ -120,13 +127,13 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
     is_base64 = header.lower().endswith(";base64")
     # Refused before decoding: base64 grows the bytes by a third.
     if (len(payload) * 3 // 4 if is_base64 else len(payload)) > max_bytes + 3:
-        raise _too_large(max_bytes)
+        raise _image_too_large(max_bytes)
     try:
         data = base64.b64decode(payload, validate=True) if is_base64 else unquote_to_bytes(payload)
     except (binascii.Error, ValueError):
         raise InvalidRequest("The image's data: URL does not hold valid base64.", param="messages") from None
     if len(data) > max_bytes:
-        raise _too_large(max_bytes)
+        raise _image_too_large(max_bytes)
     return data
 
 
@@ -166,9 +173,9 @@ async def fetch(url: str, policy: ImagePolicy) -> bytes:
             return await _fetch(url, policy)
     except TimeoutError:
         raise InvalidRequest(
-            f"Fetching the image URL {url!r} took longer than limits.remote_fetch_timeout_secs "
+            f"Fetching the {policy.noun} URL {url!r} took longer than limits.remote_fetch_timeout_secs "
             f"({policy.fetch_timeout_secs:g} s).",
-            param="messages",
+            param=policy.param,
         ) from None
 
 
@@ -180,13 +187,15 @@ async def _fetch(url: str, policy: ImagePolicy) -> bytes:
         for _hop in range(MAX_REDIRECTS + 1):
             parts = urlsplit(url)
             if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-                raise InvalidRequest(f"The image URL {url!r} is not an http(s) URL with a host.", param="messages")
+                raise InvalidRequest(
+                    f"The {policy.noun} URL {url!r} is not an http(s) URL with a host.", param=policy.param
+                )
             address = await _checked_address(parts.hostname, parts.port, policy)
-            location = await _get(client, url, address, policy.max_bytes)
+            location = await _get(client, url, address, policy)
             if isinstance(location, bytes):
                 return location
             url = urljoin(url, location)
-    raise InvalidRequest(f"The image URL redirects more than {MAX_REDIRECTS} times.", param="messages")
+    raise InvalidRequest(f"The {policy.noun} URL redirects more than {MAX_REDIRECTS} times.", param=policy.param)
 
 
 async def _checked_address(host: str, port: int | None, policy: ImagePolicy) -> IpAddress:
@@ -195,21 +204,23 @@ async def _checked_address(host: str, port: int | None, policy: ImagePolicy) -> 
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
-        raise InvalidRequest(f"The image host {host!r} cannot be resolved: {exc.strerror}", param="messages") from None
+        raise InvalidRequest(
+            f"The {policy.noun} host {host!r} cannot be resolved: {exc.strerror}", param=policy.param
+        ) from None
     # An IPv6 link-local answer carries its zone ("fe80::1%eth0"): the address is what precedes it.
     addresses = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
     if not policy.allow_private:
         refused = [a for a in addresses if not policy.public(a)]
         if refused:
             raise InvalidRequest(
-                f"The image host {host!r} resolves to a non-public address ({refused[0]}); such fetches are refused "
-                "(limits.allow_private_urls).",
-                param="messages",
+                f"The {policy.noun} host {host!r} resolves to a non-public address ({refused[0]}); "
+                "such fetches are refused (limits.allow_private_urls).",
+                param=policy.param,
             )
     return addresses[0]
 
 
-async def _get(client: httpx.AsyncClient, url: str, address: IpAddress, max_bytes: int) -> bytes | str:
+async def _get(client: httpx.AsyncClient, url: str, address: IpAddress, policy: ImagePolicy) -> bytes | str:
     """The body, or the Location of a redirect. Connects to `address`, with the URL's host as
     Host header and TLS server name."""
     parts = urlsplit(url)
@@ -217,30 +228,36 @@ async def _get(client: httpx.AsyncClient, url: str, address: IpAddress, max_byte
     literal = f"[{address}]" if address.version == 6 else str(address)
     netloc = literal + (f":{parts.port}" if parts.port else "")
     pinned = parts._replace(netloc=netloc).geturl()
-    headers = {"Host": parts.netloc.rpartition("@")[2], "User-Agent": USER_AGENT, "Accept": "image/*"}
+    headers = {"Host": parts.netloc.rpartition("@")[2], "User-Agent": USER_AGENT, "Accept": policy.accept}
     try:
         async with client.stream("GET", pinned, headers=headers, extensions={"sni_hostname": host}) as response:
             if response.is_redirect:
                 location = response.headers.get("location")
                 if not location:
-                    raise InvalidRequest(f"The image URL {url!r} redirects without a Location.", param="messages")
+                    raise InvalidRequest(
+                        f"The {policy.noun} URL {url!r} redirects without a Location.", param=policy.param
+                    )
                 return location
             if response.status_code != 200:
                 raise InvalidRequest(
-                    f"Fetching the image URL {url!r} answered HTTP {response.status_code}.", param="messages"
+                    f"Fetching the {policy.noun} URL {url!r} answered HTTP {response.status_code}.", param=policy.param
                 )
             declared = response.headers.get("content-length")
-            if declared and declared.isdigit() and int(declared) > max_bytes:
-                raise _too_large(max_bytes)
+            if declared and declared.isdigit() and int(declared) > policy.max_bytes:
+                raise _too_large(policy)
             body = bytearray()
             async for chunk in response.aiter_bytes():
                 body += chunk
-                if len(body) > max_bytes:
-                    raise _too_large(max_bytes)
+                if len(body) > policy.max_bytes:
+                    raise _too_large(policy)
             return bytes(body)
     except httpx.HTTPError as exc:
-        raise InvalidRequest(f"Fetching the image URL {url!r} failed: {exc}", param="messages") from None
+        raise InvalidRequest(f"Fetching the {policy.noun} URL {url!r} failed: {exc}", param=policy.param) from None
 
 
-def _too_large(max_bytes: int) -> InvalidRequest:
+def _image_too_large(max_bytes: int) -> InvalidRequest:
     return InvalidRequest(f"An image is larger than limits.max_image_bytes ({max_bytes} bytes).", param="messages")
+
+
+def _too_large(policy: ImagePolicy) -> InvalidRequest:
+    return policy.too_large(f"The {policy.noun} is larger than {policy.limit_name} ({policy.max_bytes} bytes).")

@@ -32,6 +32,7 @@ from inference.engines.base import ChatWork, Engine
 from inference.wire import (
     ControlRequest,
     Delta,
+    DocumentWork,
     Done,
     EngineRequest,
     Error,
@@ -42,6 +43,7 @@ from inference.wire import (
     Started,
     Usage,
 )
+from inference.worker.documents import check_document_model, serve_document
 from inference.worker.media import MEDIA_OPS, MediaWork, media_work, serve_media
 from inference.worker.pool import POOL_OPS, PoolChanges, PoolChanging, resubmit_after_change
 from inference.worker.runtime import Event, Lease, ModelRuntime, ModelTable, Sink
@@ -233,9 +235,12 @@ class Worker:
             if not self.ready:
                 raise ModelNotAvailable(STILL_STAGING)
             runtime = self.resolve(request.model)
-            work: ChatWork | MediaWork
+            work: ChatWork | MediaWork | DocumentWork
             if request.work.kind in MEDIA_OPS:
                 work = media_work(runtime.config, request.work)  # type: ignore[arg-type]
+            elif isinstance(request.work, DocumentWork):
+                check_document_model(runtime.config)
+                work = request.work
             else:
                 if not isinstance(request.work, GenerateWork) or runtime.config.modality not in (
                     "text_generation",
@@ -398,7 +403,12 @@ class Worker:
         return round(wait, 1)
 
     def _run(
-        self, runtime: ModelRuntime, request_id: str, work: ChatWork | MediaWork, cancel: threading.Event, sink: Sink
+        self,
+        runtime: ModelRuntime,
+        request_id: str,
+        work: ChatWork | MediaWork | DocumentWork,
+        cancel: threading.Event,
+        sink: Sink,
     ) -> None:
         arrived = time.perf_counter()
         holding_slot = False
@@ -416,6 +426,8 @@ class Worker:
             queue_ms = (time.perf_counter() - arrived) * 1000
             if isinstance(work, MediaWork):
                 final = serve_media(self.moves, runtime, engine, work, cancel, sink, queue_ms)
+            elif isinstance(work, DocumentWork):
+                final = serve_document(self.moves, runtime, engine, work, cancel, sink, queue_ms)  # type: ignore[arg-type]
             else:
                 final = self._serve_chat(runtime, engine, work, lease, sink, queue_ms)
             runtime.note_service((time.perf_counter() - arrived) * 1000 - queue_ms)

@@ -120,6 +120,13 @@ engine = "onnx_runtime"
 weights_path = "{media["piper-joe"]}"
 initial_tier = "tier3_nvme_ssd"
 aliases = ["tts-1"]
+
+[[models]]
+id = "docling"
+modality = "document_conversion"
+engine = "docling"
+weights_path = "{media["docling"]}"
+initial_tier = "tier3_nvme_ssd"
 """
     )
     return path
@@ -180,6 +187,24 @@ class Server:
     base_url: str
     env: dict[str, str]
     procs: list[Proc]
+    # Distributed: a second web process on the same worker, Redis and database.
+    other_base_url: str | None = None
+
+
+def start_celery(env: dict[str, str], log_dir: Path, name: str = "celery") -> Proc:
+    """A real Celery worker for the long jobs, as `./run.sh jobs` starts it; returns once it is
+    ready to take jobs."""
+    queue = f"{env['HYPNOS_CHANNEL_PREFIX']}.jobs"
+    args = ["-m", "celery", "-A", "hypnos_site", "worker", "--pool", "threads", "--concurrency", "2"]
+    proc = start(name, [*args, "--queues", queue, "--loglevel", "INFO", "--hostname", f"{name}@%h"], env, log_dir)
+    deadline = time.monotonic() + START_TIMEOUT_SECS
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            pytest.fail(f"{name} exited with {proc.popen.returncode}:\n{proc.tail()}")
+        if " ready." in proc.log.read_text(errors="replace"):
+            return proc
+        time.sleep(0.2)
+    pytest.fail(f"{name} not ready in time:\n{proc.tail()}")
 
 
 def base_env(config: Path, data_dir: Path, **extra: str) -> dict[str, str]:
@@ -206,12 +231,17 @@ def distributed(tmp_path_factory, redis_url: str, postgres_url: str) -> Iterator
     run_manage(["migrate", "--no-input", "-v0"], env)
     worker = start("runinference", ["manage.py", "runinference"], env, directory)
     web = start("daphne", ["-m", "hypnos_site.serve"], env, directory)
-    server = Server(f"http://127.0.0.1:{port}", env, [worker, web])
+    other_port = free_port()
+    other = start("daphne-2", ["-m", "hypnos_site.serve"], {**env, "HYPNOS_PORT": str(other_port)}, directory)
+    procs = [worker, web, other]
+    server = Server(f"http://127.0.0.1:{port}", env, procs, f"http://127.0.0.1:{other_port}")
     try:
         wait_ready(server.base_url, worker, web)
+        wait_ready(f"http://127.0.0.1:{other_port}", worker, other)
+        procs.append(start_celery(env, directory))
         yield server
     finally:
-        for proc in (web, worker):
+        for proc in reversed(procs):
             proc.stop()
 
 

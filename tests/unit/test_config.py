@@ -69,5 +69,6 @@ def test_the_example_config_is_valid():
         "all-minilm-l6-v2",
         "whisper-tiny.en",
         "piper-joe",
+        "docling",
     ]
     assert config.models == DEFAULT_MODELS

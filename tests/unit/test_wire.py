@@ -28,6 +28,19 @@ EVENTS = [
         telemetry={"engine": {"ttft_ms": 3.0}},
         tool_calls=[{"id": "call_1"}],
     ),
+    wire.DocumentOpened(page_count=3, pages=[2, 3], format="pdf", pipeline="native_pdf", document_id="doc-1"),
+    wire.DocumentPage(
+        page=2,
+        markdown="## Results\n\n<!-- image -->",
+        tables=1,
+        ms=12.5,
+        pictures=[
+            wire.PictureFile(path="/spool/p/1.png", width=64, height=32, bbox={"l": 1.0, "coord_origin": "TOPLEFT"})
+        ],
+    ),
+    wire.PageReady(
+        page={"page": 2, "markdown": "x", "pictures": 1, "picture_urls": ["/v1/documents/doc-1/pictures/1"]}
+    ),
     wire.Result(result={"models": []}),
     wire.Error.of(ContextLengthExceeded("too long", param="messages")),
 ]
@@ -47,7 +60,7 @@ def test_it_carries_a_request_per_modality_through_msgpack_unchanged():
         wire.TranscribeWork(audio="UklGRg==", language="en"),
         wire.SpeechWork(input="Hello.", voice="alloy"),
         wire.ImageWork(),
-        wire.DocumentWork(),
+        wire.DocumentWork(path="/spool/a.pdf", filename="a.pdf", pages="2-3", picture_dir="/spool/pics"),
         wire.EntityWork(),
     ]
     for work in works:

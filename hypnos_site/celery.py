@@ -1,0 +1,20 @@
+"""The Celery app of the long jobs (document conversion; ARCHITECTURE.md).
+
+Distributed: `./run.sh jobs` starts `celery -A hypnos_site worker` on the Redis broker, and the
+web processes send it jobs. Embedded: there is no broker and no Redis; the same tasks run eagerly
+inside the server process (each on a thread of its own, inference/jobs.py). Either way the task's
+state and result are stored in the database through django-celery-results, and the task reaches
+the inference worker through the process's InferenceClient, like a view."""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hypnos_site.settings")
+
+app = Celery("hypnos_site")
+# The CELERY_* names of the Django settings (hypnos_site/settings.py).
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.autodiscover_tasks()

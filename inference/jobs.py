@@ -1,0 +1,170 @@
+"""Long jobs: how a web process hands a job to Celery and follows it, and how the job reports.
+
+A job's progress travels as the typed events of inference/wire.py on a channel the waiting
+request opened, numbered like the inference worker's replies (a lost message is an error, not a
+silent gap):
+
+- distributed: the channel layer (Redis). The Celery worker (`./run.sh jobs`) sends, the daphne
+  process that holds the HTTP request receives;
+- embedded: the task runs eagerly on a thread of the server process, and the feed is a
+  process-local channel (LocalChannels) that hands events to the request's event loop.
+
+A running job sends a heartbeat every HEARTBEAT_SECS; a feed that hears nothing for
+JOB_SILENCE_SECS (the Celery worker was killed, the task crashed hard) ends with a 503-class
+error instead of hanging. A job that no Celery worker takes within server.job_pickup_timeout_secs
+is revoked and the request is a 503. The client leaving marks the job cancelled in the database;
+the task watches that flag (CANCEL_POLL_SECS) and stops the conversion at its next page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from django.conf import settings
+
+from hypnos_site.errors import HypnosError, ModelNotAvailable, ServerError
+from inference.wire import Error, Heartbeat, decode_event, encode_event
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_SECS = 1.0
+JOB_SILENCE_SECS = 10.0
+CANCEL_POLL_SECS = 0.25
+NO_JOB_WORKER = (
+    "No job worker took the conversion within {secs:g} s (server.job_pickup_timeout_secs); "
+    "start one with `./run.sh jobs`."
+)
+JOB_LOST = "The job stopped reporting (nothing for {secs:g} s); its Celery worker is gone or failed."
+
+
+class LocalChannels:
+    """The embedded deployment's job channels: a task thread sends, the event loop of the
+    request that opened the channel receives. Thread-safe, unlike the in-memory channel layer
+    (whose queues belong to one event loop)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._channels: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[dict[str, Any]]]] = {}
+
+    async def new_channel(self, prefix: str = "hypnos.job.") -> str:
+        name = prefix + uuid.uuid4().hex
+        with self._lock:
+            self._channels[name] = (asyncio.get_running_loop(), asyncio.Queue())
+        return name
+
+    async def send(self, channel: str, message: dict[str, Any]) -> None:
+        with self._lock:
+            target = self._channels.get(channel)
+        if target is None:  # the request is gone: nobody reads this any more
+            return
+        loop, queue = target
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, message)
+        except RuntimeError:  # its event loop closed
+            self.discard(channel)
+
+    async def receive(self, channel: str) -> dict[str, Any]:
+        with self._lock:
+            _loop, queue = self._channels[channel]
+        return await queue.get()
+
+    def discard(self, channel: str) -> None:
+        with self._lock:
+            self._channels.pop(channel, None)
+
+
+local_channels = LocalChannels()
+
+
+def job_layer() -> Any:
+    """Where job progress travels in this deployment (LocalChannels or the channel layer)."""
+    if settings.HYPNOS.server.deployment == "distributed":
+        from channels.layers import get_channel_layer
+
+        return get_channel_layer()
+    return local_channels
+
+
+class JobFeed:
+    """The waiting request's side: the job's events in order, heartbeats taken here."""
+
+    def __init__(self, layer: Any, channel: str):
+        self.layer, self.channel = layer, channel
+        self.expected_seq = 0
+        self.started = False
+
+    @classmethod
+    async def open(cls) -> JobFeed:
+        layer = job_layer()
+        return cls(layer, await layer.new_channel("hypnos.job."))
+
+    async def next_event(self) -> Any:
+        """The job's next event; its first must come within the pickup timeout, the others
+        within JOB_SILENCE_SECS of the last message. An Error event raises its exception."""
+        while True:
+            wait = JOB_SILENCE_SECS if self.started else settings.HYPNOS.server.job_pickup_timeout_secs
+            try:
+                message = await asyncio.wait_for(self.layer.receive(self.channel), wait)
+            except TimeoutError:
+                text = JOB_LOST if self.started else NO_JOB_WORKER
+                raise ModelNotAvailable(text.format(secs=wait)) from None
+            self.started = True
+            if message.get("seq") != self.expected_seq:
+                raise ServerError(
+                    f"progress message {self.expected_seq} of the job was lost (got {message.get('seq')})"
+                )
+            self.expected_seq += 1
+            event = decode_event(message["event"])
+            if isinstance(event, Heartbeat):
+                continue
+            if isinstance(event, Error):
+                raise event.exception()
+            return event
+
+    def close(self) -> None:
+        if isinstance(self.layer, LocalChannels):
+            self.layer.discard(self.channel)
+
+
+class JobReporter:
+    """The task's side: numbered events to the waiting request, a heartbeat while it works."""
+
+    def __init__(self, layer: Any, channel: str):
+        self.layer = layer
+        self.channel = channel
+        self.seq = 0
+        self._lock = asyncio.Lock()
+
+    async def send(self, event: Any) -> None:
+        async with self._lock:
+            message = {"type": "job.event", "seq": self.seq, "event": encode_event(event)}
+            self.seq += 1
+            await self.layer.send(self.channel, message)
+
+    async def error(self, exc: HypnosError) -> None:
+        try:
+            await self.send(Error.of(exc))
+        except Exception:  # the channel itself failed: the feed's silence deadline ends it
+            log.exception("job: the error could not be reported")
+
+    async def heartbeats(self) -> None:
+        """Run until cancelled: a heartbeat every HEARTBEAT_SECS."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_SECS)
+            await self.send(Heartbeat())
+
+
+async def feed_events(feed: JobFeed) -> AsyncIterator[Any]:
+    """Every event of the job until its terminal one (included)."""
+    from inference.wire import TERMINAL
+
+    while True:
+        event = await feed.next_event()
+        yield event
+        if isinstance(event, TERMINAL):
+            return

@@ -1,0 +1,313 @@
+"""POST /v1/documents/convert (spec §12): the request's checks, the upload spooled, the job handed
+to Celery, and its progress relayed to the client as JSON or as SSE events.
+
+Every refusal comes before the first byte: the web process checks the fields, the models and the
+upload's size here; the job's first event (`document_opened`, once the worker has read the
+document and checked the pages) or its error decides the status. A client that leaves sets the
+job's cancel flag; the job stops at its next page."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import dataclasses
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.http import HttpResponseBase, JsonResponse
+
+from hypnos_site.errors import HypnosError, InvalidRequest, ModelNotAvailable, PayloadTooLarge
+from inference.client import InferenceClient
+from inference.document_job import ConversionSpec
+from inference.jobs import JobFeed
+from inference.protocol import parse_body
+from inference.protocol_media import FORM_FALSE, FORM_TRUE, DocumentConvertRequest
+from inference.serving import image_input
+from inference.serving.chat import sse_response
+from inference.serving.context import RequestContext, resolve_model
+from inference.serving.pool import pool
+from inference.serving.render import DONE, sse_data, sse_error
+from inference.wire import DocumentOpened, Done, PageReady
+from logs.models import DocumentJob
+from logs.record import CallRecord
+
+FORM_FIELDS = ("model", "url", "filename", "pages", "output_format", "describe_pictures", "file")
+FORM_BOOLEANS = ("ocr", "stream", "return_pictures")
+SPOOL_CHUNK = 1 << 20
+
+
+async def convert_document(
+    client: InferenceClient, data: Any, ctx: RequestContext, owner: str | None
+) -> HttpResponseBase:
+    body, upload = document_request(data)
+    model = await resolve_model(client, body.model, ctx)
+    ctx.record.work = "document"
+    if model.modality != "document_conversion":
+        raise InvalidRequest(f"The model {model.id!r} serves {model.modality}, not document_conversion.", param="model")
+    if body.describe_pictures:
+        await _check_vision_model(client, body.describe_pictures)
+    path = await _spool(body, upload, ctx.request_id)
+    feed: JobFeed | None = None
+    job_id = "job-" + uuid.uuid4().hex
+    try:
+        feed = await JobFeed.open()
+        spec = ConversionSpec(
+            model=model.id,
+            path=str(path),
+            filename=body.filename or _name_of(upload, body.url),
+            pages=body.pages,
+            ocr=body.ocr,
+            output_format=body.output_format,
+            describe_pictures=body.describe_pictures,
+            return_pictures=body.return_pictures,
+            owner=owner,
+            progress_channel=feed.channel,
+            max_pages=settings.HYPNOS.limits.max_document_pages,
+        )
+        await DocumentJob.objects.acreate(
+            id=job_id,
+            request_id=ctx.request_id,
+            model=model.id,
+            filename=spec.filename or "",
+            owner=owner or "",
+            spec=spec.model_dump(),
+        )
+        await _dispatch(job_id)
+        opened = await feed.next_event()
+        if not isinstance(opened, DocumentOpened):
+            raise ModelNotAvailable(f"the job answered {opened.kind!r} before opening the document")
+    except BaseException:
+        path.unlink(missing_ok=True)
+        await _cancel(job_id)
+        if feed is not None:
+            feed.close()
+        raise
+    if body.stream:
+        return sse_response(_document_sse(feed, job_id, opened, ctx.record))
+    return JsonResponse(await _document_json(feed, job_id, ctx.record))
+
+
+def document_request(data: Any) -> tuple[DocumentConvertRequest, Any]:
+    """The fields and, for multipart, the uploaded `file` part."""
+    if hasattr(data, "getlist"):
+        upload = data.get("file")
+        fields: dict[str, Any] = {k: data.get(k) for k in FORM_FIELDS if data.get(k) not in (None, "")}
+        if hasattr(upload, "read"):
+            fields.pop("file", None)
+        else:
+            upload = None
+        for name in FORM_BOOLEANS:
+            if data.get(name) not in (None, ""):
+                fields[name] = _form_bool(name, data.get(name))
+        body = parse_body(DocumentConvertRequest, fields)
+    elif isinstance(data, dict):
+        upload = None
+        body = parse_body(DocumentConvertRequest, dict(data))
+    else:
+        raise InvalidRequest("The request body must be multipart/form-data or a JSON object.")
+    given = sum(x is not None for x in (upload, body.file, body.url))
+    if given != 1:
+        raise InvalidRequest("Send the document as exactly one of `file` or `url`.", param="file")
+    return body, upload
+
+
+def _form_bool(name: str, value: str) -> bool:
+    lowered = str(value).strip().lower()
+    if lowered in FORM_TRUE:
+        return True
+    if lowered in FORM_FALSE:
+        return False
+    raise InvalidRequest(f"{name} must be true or false (also 1/0, yes/no, on/off), not {value!r}.", param=name)
+
+
+async def _check_vision_model(client: InferenceClient, name: str) -> None:
+    await pool.ensure(client, name)
+    try:
+        vision = pool.find(name)
+    except HypnosError:
+        raise InvalidRequest(
+            f"describe_pictures names {name!r}, which is no model of the pool.", param="describe_pictures"
+        ) from None
+    if "vision" not in vision.modalities:
+        raise InvalidRequest(
+            f"describe_pictures needs a vision model; {vision.id!r} serves {', '.join(vision.modalities)}.",
+            param="describe_pictures",
+        )
+
+
+def _name_of(upload: Any, url: str | None) -> str | None:
+    if upload is not None:
+        return Path(getattr(upload, "name", "") or "").name or None
+    if url:
+        return Path(unquote(urlsplit(url).path)).name or None
+    return None
+
+
+async def _spool(body: DocumentConvertRequest, upload: Any, request_id: str) -> Path:
+    """The document in a spool file the job reads and removes, at most max_document_bytes."""
+    limit = settings.HYPNOS.limits.max_document_bytes
+    spool = settings.HYPNOS.data_dir / "spool"
+    spool.mkdir(parents=True, exist_ok=True)
+    path = spool / f"{request_id}-{uuid.uuid4().hex[:8]}.document"
+    if upload is not None:
+        if upload.size > limit:
+            raise _too_large(upload.size, limit)
+        if upload.size == 0:
+            raise InvalidRequest("The document is empty (0 bytes).", param="file")
+        await asyncio.to_thread(_write_upload, upload, path)
+        return path
+    if body.file is not None:
+        data = _decode_inline(body.file, limit)
+    else:
+        assert body.url is not None
+        data = await _fetch(body.url, limit)
+    if len(data) > limit:
+        raise _too_large(len(data), limit)
+    if not data:
+        raise InvalidRequest("The document is empty (0 bytes).", param="url" if body.url else "file")
+    await asyncio.to_thread(path.write_bytes, data)
+    return path
+
+
+def _write_upload(upload: Any, path: Path) -> None:
+    with open(path, "wb") as out:
+        for chunk in upload.chunks(SPOOL_CHUNK):
+            out.write(chunk)
+
+
+def _decode_inline(text: str, limit: int) -> bytes:
+    """`file` in JSON: base64, or a data: URI holding base64."""
+    payload = text
+    if text.startswith("data:"):
+        header, comma, payload = text[len("data:") :].partition(",")
+        if not comma or not header.lower().endswith(";base64"):
+            raise InvalidRequest("file as a data: URI must be base64 (data:<type>;base64,<data>).", param="file")
+    if len(payload) * 3 // 4 > limit + 3:
+        raise _too_large(len(payload) * 3 // 4, limit)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest("file is not valid base64 (nor a data: URI holding base64).", param="file") from None
+
+
+async def _fetch(url: str, limit: int) -> bytes:
+    """The document at `url`, under the same rules as chat image URLs (private, loopback,
+    link-local and metadata addresses refused, also after a redirect)."""
+    limits = settings.HYPNOS.limits
+    if not limits.allow_remote_image_urls:
+        raise InvalidRequest(
+            "Remote URLs are turned off on this server (limits.allow_remote_image_urls); upload the file.",
+            param="url",
+        )
+    policy = dataclasses.replace(
+        image_input.ImagePolicy.from_limits(limits),
+        max_bytes=limit,
+        param="url",
+        noun="document",
+        limit_name="limits.max_document_bytes",
+        accept="*/*",
+        too_large=lambda message: PayloadTooLarge(message, param="url"),
+    )
+    return await image_input.fetch(url, policy)
+
+
+def _too_large(size: int, limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(f"The document is {size} bytes, above limits.max_document_bytes ({limit}).", param="file")
+
+
+async def _dispatch(job_id: str) -> None:
+    """Hand the job to Celery: to the broker (distributed), or eagerly on a thread of this
+    process (embedded: no broker)."""
+    from inference.tasks import convert_document
+
+    if settings.CELERY_TASK_ALWAYS_EAGER:
+        import threading
+
+        thread = threading.Thread(
+            target=convert_document.apply,
+            kwargs={"args": (job_id,), "task_id": job_id},
+            name=f"hypnos-{job_id}",
+            daemon=True,
+        )
+        thread.start()
+        return
+    try:
+        await asyncio.to_thread(convert_document.apply_async, args=(job_id,), task_id=job_id)
+    except Exception as exc:  # the broker is unreachable
+        raise ModelNotAvailable(f"The job broker is unreachable: {type(exc).__name__}: {exc}") from exc
+
+
+async def _cancel(job_id: str) -> None:
+    """The client left or the request failed: the job stops at its next page (a queued one
+    never starts). Runs to its end even when the caller is cancelled."""
+
+    async def cancel() -> None:
+        await DocumentJob.objects.filter(pk=job_id, state__in=("queued", "running")).aupdate(cancel_requested=True)
+        if not settings.CELERY_TASK_ALWAYS_EAGER:
+            from hypnos_site.celery import app
+
+            await sync_to_async(app.control.revoke)(job_id)
+
+    try:
+        await asyncio.shield(cancel())
+    except Exception:  # the broker or the database is gone: the job's silence deadline ends it
+        pass
+
+
+async def _job_events(feed: JobFeed, job_id: str, record: CallRecord) -> AsyncGenerator[Any, None]:
+    """The job's events after `document_opened` up to its Done (noted in the record); leaving
+    early cancels the job."""
+    finished = False
+    try:
+        while True:
+            event = await feed.next_event()
+            if isinstance(event, Done):
+                finished = True
+                record.note_telemetry(event.telemetry)
+                yield event
+                return
+            yield event
+    except HypnosError as exc:
+        record.note_error(exc.message, exc.type)
+        raise
+    finally:
+        if not finished:
+            await _cancel(job_id)
+        feed.close()
+
+
+async def _document_json(feed: JobFeed, job_id: str, record: CallRecord) -> dict[str, Any]:
+    pages: list[dict[str, Any]] = []
+    async with aclosing(_job_events(feed, job_id, record)) as events:
+        async for event in events:
+            if isinstance(event, PageReady):
+                pages.append(event.page)
+            elif isinstance(event, Done):
+                return {**(event.result or {}), "pages": pages}
+    raise ModelNotAvailable("the job ended without its document")
+
+
+async def _document_sse(feed: JobFeed, job_id: str, opened: DocumentOpened, record: CallRecord) -> AsyncIterator[str]:
+    """document.started, one document.page per page as it is ready, document, [DONE]; an
+    error after the start is an `error` event, then [DONE]."""
+    started: dict[str, Any] = {"object": "document.started", "page_count": opened.page_count, "pages": opened.pages}
+    if opened.document_id:
+        started["id"] = opened.document_id
+    yield sse_data(started)
+    try:
+        async with aclosing(_job_events(feed, job_id, record)) as events:
+            async for event in events:
+                if isinstance(event, PageReady):
+                    yield sse_data({"object": "document.page", **event.page})
+                elif isinstance(event, Done):
+                    yield sse_data(event.result or {"object": "document"})
+        yield DONE
+    except HypnosError as error:
+        yield sse_error(error, {"object": "error"}, record)

@@ -1,0 +1,144 @@
+"""Document conversion between real processes (spec §12): embedded (one daphne, Celery tasks in
+the server process) and distributed (two daphne processes, `manage.py runinference`, a real
+Celery worker on the Redis broker, PostgreSQL), over HTTP with a real client."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from tests import documents
+from tests.e2e.conftest import Server
+
+pytestmark = pytest.mark.e2e
+URL = "/v1/documents/convert"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("e2e-documents")
+    return {
+        "pdf": documents.multipage_pdf(folder / "report.pdf"),
+        "long": documents.long_pdf(folder / "long.pdf", 60),
+    }
+
+
+def events_of(lines: list[str]) -> list[Any]:
+    return [
+        line[len("data: ") :] if line == "data: [DONE]" else json.loads(line[len("data: ") :])
+        for line in lines
+        if line.startswith("data: ")
+    ]
+
+
+def convert(base_url: str, path: Path, **fields: str) -> httpx.Response:
+    with open(path, "rb") as file:
+        return httpx.post(
+            f"{base_url}{URL}",
+            data={"model": "docling", **fields},
+            files={"file": (path.name, file, "application/pdf")},
+            timeout=300,
+        )
+
+
+def test_a_streamed_conversion_sends_its_pages_as_they_are_ready(server: Server, files):
+    with (
+        open(files["pdf"], "rb") as file,
+        httpx.stream(
+            "POST",
+            f"{server.base_url}{URL}",
+            data={"model": "docling", "stream": "true"},
+            files={"file": ("report.pdf", file, "application/pdf")},
+            timeout=300,
+        ) as response,
+    ):
+        assert response.status_code == 200, response.read()
+        events = events_of(list(response.iter_lines()))
+    kinds = [e if isinstance(e, str) else e["object"] for e in events]
+    assert kinds == ["document.started", "document.page", "document.page", "document.page", "document", "[DONE]"]
+    assert events[0]["pages"] == [1, 2, 3]
+    assert documents.TITLE in events[1]["markdown"]
+    assert events[4]["usage"]["pages"] == 3 and events[4]["hypnos_telemetry"]["engine"]["pages"] == 3
+
+
+def test_a_refusal_is_its_status_streamed_or_not(server: Server, files):
+    for stream in ("false", "true"):
+        response = convert(server.base_url, files["pdf"], pages="9", stream=stream)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "pages"
+
+
+def test_pictures_stored_through_one_web_process_are_served_by_the_other(distributed: Server, files):
+    body = convert(distributed.base_url, files["pdf"], return_pictures="true").json()
+    url = body["pages"][1]["picture_urls"][0]
+    assert distributed.other_base_url is not None
+    image = httpx.get(f"{distributed.other_base_url}{url}?format=image", timeout=30)
+    assert image.status_code == 200 and image.content.startswith(b"\x89PNG")
+    assert image.headers["cache-control"] == "private, no-store"
+    deleted = httpx.delete(f"{distributed.other_base_url}/v1/documents/{body['id']}", timeout=30)
+    assert deleted.json() == {"object": "document.deleted", "id": body["id"], "deleted": True}
+    assert httpx.get(f"{distributed.base_url}{url}", timeout=30).status_code == 404
+
+
+def test_expired_pictures_are_gone_from_every_web_process(distributed: Server, files):
+    body = convert(distributed.base_url, files["pdf"], return_pictures="true").json()
+    with psycopg.connect(distributed.env["HYPNOS_DATABASE_URL"], autocommit=True) as conn:
+        conn.execute(
+            "UPDATE logs_storeddocument SET expires_at = now() - interval '1 second' WHERE id = %s", (body["id"],)
+        )
+    time.sleep(5.5)  # the store looks for expired documents at most every 5 s
+    listed = httpx.get(f"{distributed.other_base_url}/v1/documents/{body['id']}/pictures", timeout=30)
+    assert listed.status_code == 404
+
+
+def test_the_job_runs_on_the_celery_worker_and_its_state_is_in_the_database(distributed: Server, files):
+    response = convert(distributed.base_url, files["pdf"])
+    assert response.status_code == 200
+    with psycopg.connect(distributed.env["HYPNOS_DATABASE_URL"]) as conn:
+        job = conn.execute(
+            "SELECT id, state, pages_done FROM logs_documentjob WHERE request_id = %s",
+            (response.headers["x-request-id"],),
+        ).fetchone()
+        assert job is not None and job[1:] == ("done", 3)
+        task = conn.execute(
+            "SELECT status, worker FROM django_celery_results_taskresult WHERE task_id = %s", (job[0],)
+        ).fetchone()
+    assert task is not None and task[0] == "SUCCESS" and task[1].startswith("celery@")
+    celery_log = next(p for p in distributed.procs if p.name == "celery").log.read_text(errors="replace")
+    assert job[0] in celery_log
+
+
+def test_a_client_that_leaves_after_the_first_page_stops_the_job(distributed: Server, files):
+    with (
+        open(files["long"], "rb") as file,
+        httpx.stream(
+            "POST",
+            f"{distributed.base_url}{URL}",
+            data={"model": "docling", "stream": "true"},
+            files={"file": ("long.pdf", file, "application/pdf")},
+            timeout=300,
+        ) as response,
+    ):
+        request_id = response.headers["x-request-id"]
+        for line in response.iter_lines():
+            if '"document.page"' in line:
+                break
+    # Counted from outside: the job's row in PostgreSQL.
+    deadline = time.monotonic() + 15
+    with psycopg.connect(distributed.env["HYPNOS_DATABASE_URL"], autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT state, pages_done FROM logs_documentjob WHERE request_id = %s", (request_id,)
+            ).fetchone()
+            if row is not None and row[0] != "running":
+                break
+            time.sleep(0.1)
+        assert row is not None and row[0] == "cancelled", row
+        time.sleep(1.5)
+        again = conn.execute("SELECT pages_done FROM logs_documentjob WHERE request_id = %s", (request_id,)).fetchone()
+    assert again is not None and again[0] == row[1] < 60

@@ -25,7 +25,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("e2e-documents")
     return {
         "pdf": documents.multipage_pdf(folder / "report.pdf"),
-        "long": documents.long_pdf(folder / "long.pdf", 60),
+        "scans": documents.scanned_pages_pdf(folder / "scans.pdf", 8),
     }
 
 
@@ -115,12 +115,12 @@ def test_the_job_runs_on_the_celery_worker_and_its_state_is_in_the_database(dist
 
 def test_a_client_that_leaves_after_the_first_page_stops_the_job(distributed: Server, files):
     with (
-        open(files["long"], "rb") as file,
+        open(files["scans"], "rb") as file,
         httpx.stream(
             "POST",
             f"{distributed.base_url}{URL}",
             data={"model": "docling", "stream": "true"},
-            files={"file": ("long.pdf", file, "application/pdf")},
+            files={"file": ("scans.pdf", file, "application/pdf")},
             timeout=300,
         ) as response,
     ):
@@ -141,4 +141,5 @@ def test_a_client_that_leaves_after_the_first_page_stops_the_job(distributed: Se
         assert row is not None and row[0] == "cancelled", row
         time.sleep(1.5)
         again = conn.execute("SELECT pages_done FROM logs_documentjob WHERE request_id = %s", (request_id,)).fetchone()
-    assert again is not None and again[0] == row[1] < 60
+    # At most the page being converted when the client left runs after the first.
+    assert again is not None and again[0] == row[1] <= 2

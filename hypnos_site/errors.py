@@ -139,6 +139,10 @@ class ModelNotAvailable(HypnosError):
     headers = {"Retry-After": "5"}
 
 
+class JobLost(ModelNotAvailable):
+    """A long job that stopped reporting (its Celery worker died) or that no worker took."""
+
+
 class DeadlineUnmeetable(HypnosError):
     status = 503
     type = "deadline_unmeetable"

@@ -80,24 +80,24 @@ async def run_job(job_id: str, client: InferenceClient, layer: Any) -> dict[str,
             raise Cancelled("the client left before the job started")
         await _set(job, state="running", started_at=timezone.now())
         conversion = _Conversion(job, spec, client, reporter, picture_dir)
-        result = await _watched(job_id, conversion.run(), reporter)
+        document = await _watched(job_id, conversion.run(), reporter)
+        # The row is final before the client hears the end.
         await _set(job, state="done", finished_at=timezone.now())
-        return result
+        await reporter.send(Done(result=document, telemetry=document["hypnos_telemetry"]))
+        return {**document, "pages": conversion.pages}
     except (asyncio.CancelledError, Cancelled):
         await _set(job, state="cancelled", finished_at=timezone.now())
         await _discard(job)
         return None
-    except HypnosError as exc:
-        await reporter.error(exc)
-        await _set(job, state="failed", error=exc.message[:2000], finished_at=timezone.now())
-        await _discard(job)
-        return None
     except Exception as exc:
-        log.exception("document job %s failed", job_id)
-        error = ServerError(f"The conversion failed: {type(exc).__name__}: {exc}")
-        await reporter.error(error)
+        if isinstance(exc, HypnosError):
+            error = exc
+        else:
+            log.exception("document job %s failed", job_id)
+            error = ServerError(f"The conversion failed: {type(exc).__name__}: {exc}")
         await _set(job, state="failed", error=error.message[:2000], finished_at=timezone.now())
         await _discard(job)
+        await reporter.error(error)
         return None
     finally:
         Path(spec.path).unlink(missing_ok=True)
@@ -142,6 +142,7 @@ class _Conversion:
         self.described = 0
 
     async def run(self) -> dict[str, Any]:
+        """Convert, page by page; the document without its pages (they went out one by one)."""
         spec = self.spec
         if self.picture_dir is not None:
             self.picture_dir.mkdir(parents=True, exist_ok=True)
@@ -169,9 +170,7 @@ class _Conversion:
                     done = event
         if done is None or opened is None:
             raise ServerError("the inference worker ended the conversion without its result")
-        document = self._document(opened, done, (time.perf_counter() - started) * 1000)
-        await self.reporter.send(Done(result=document, telemetry=document["hypnos_telemetry"]))
-        return {**document, "pages": self.pages}
+        return self._document(opened, done, (time.perf_counter() - started) * 1000)
 
     async def _opened(self, event: DocumentOpened) -> DocumentOpened:
         if self.spec.return_pictures:

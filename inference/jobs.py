@@ -10,10 +10,11 @@ silent gap):
   process-local channel (LocalChannels) that hands events to the request's event loop.
 
 A running job sends a heartbeat every HEARTBEAT_SECS; a feed that hears nothing for
-JOB_SILENCE_SECS (the Celery worker was killed, the task crashed hard) ends with a 503-class
-error instead of hanging. A job that no Celery worker takes within server.job_pickup_timeout_secs
-is revoked and the request is a 503. The client leaving marks the job cancelled in the database;
-the task watches that flag (CANCEL_POLL_SECS) and stops the conversion at its next page.
+JOB_SILENCE_SECS (the Celery worker was killed, the task crashed hard) ends with JobLost (503)
+instead of hanging, and the web process marks the job failed. A job that no Celery worker takes
+within server.job_pickup_timeout_secs is revoked and the request is a 503. The client leaving
+marks the job cancelled in the database; the task watches that flag (CANCEL_POLL_SECS) and stops
+the conversion at its next page.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 from django.conf import settings
 
-from hypnos_site.errors import HypnosError, ModelNotAvailable, ServerError
+from hypnos_site.errors import HypnosError, JobLost, ServerError
 from inference.wire import Error, Heartbeat, decode_event, encode_event
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class JobFeed:
                 message = await asyncio.wait_for(self.layer.receive(self.channel), wait)
             except TimeoutError:
                 text = JOB_LOST if self.started else NO_JOB_WORKER
-                raise ModelNotAvailable(text.format(secs=wait)) from None
+                raise JobLost(text.format(secs=wait)) from None
             self.started = True
             if message.get("seq") != self.expected_seq:
                 raise ServerError(

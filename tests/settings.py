@@ -9,3 +9,14 @@ for _name in ("HYPNOS_API_KEYS", "HYPNOS_DEPLOYMENT", "HYPNOS_DATABASE_URL", "HY
     os.environ.pop(_name, None)
 
 from hypnos_site.settings import *  # noqa: E402,F403
+
+# The test database in a file, not SQLite's shared-cache memory: there a write that meets another
+# thread's lock fails at once ("database table is locked") instead of waiting out the busy
+# timeout as the server's file database does, and the suite runs writers on several threads
+# (the request log, the Celery jobs of the embedded deployment, the picture store).
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":  # noqa: F405
+    import tempfile as _tempfile
+
+    DATABASES["default"]["TEST"] = {  # noqa: F405
+        "NAME": str(Path(_tempfile.gettempdir()) / f"hypnos-test-{os.getpid()}.sqlite3")
+    }

@@ -12,6 +12,7 @@ import asyncio
 import base64
 import binascii
 import dataclasses
+import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -22,8 +23,9 @@ from urllib.parse import unquote, urlsplit
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.http import HttpResponseBase, JsonResponse
+from django.utils import timezone
 
-from hypnos_site.errors import HypnosError, InvalidRequest, ModelNotAvailable, PayloadTooLarge
+from hypnos_site.errors import HypnosError, InvalidRequest, JobLost, ModelNotAvailable, PayloadTooLarge
 from inference.client import InferenceClient
 from inference.document_job import ConversionSpec
 from inference.jobs import JobFeed
@@ -38,6 +40,7 @@ from inference.wire import DocumentOpened, Done, PageReady
 from logs.models import DocumentJob
 from logs.record import CallRecord
 
+log = logging.getLogger(__name__)
 FORM_FIELDS = ("model", "url", "filename", "pages", "output_format", "describe_pictures", "file")
 FORM_BOOLEANS = ("ocr", "stream", "return_pictures")
 SPOOL_CHUNK = 1 << 20
@@ -257,8 +260,8 @@ async def _cancel(job_id: str) -> None:
 
     try:
         await asyncio.shield(cancel())
-    except Exception:  # the broker or the database is gone: the job's silence deadline ends it
-        pass
+    except Exception:  # the broker or the database is gone: the job runs on to its end
+        log.exception("job %s: the cancellation did not get through", job_id)
 
 
 async def _job_events(feed: JobFeed, job_id: str, record: CallRecord) -> AsyncGenerator[Any, None]:
@@ -274,6 +277,10 @@ async def _job_events(feed: JobFeed, job_id: str, record: CallRecord) -> AsyncGe
                 yield event
                 return
             yield event
+    except JobLost as exc:
+        record.note_error(exc.message, exc.type)
+        await _mark_lost(job_id, exc.message)
+        raise
     except HypnosError as exc:
         record.note_error(exc.message, exc.type)
         raise
@@ -281,6 +288,13 @@ async def _job_events(feed: JobFeed, job_id: str, record: CallRecord) -> AsyncGe
         if not finished:
             await _cancel(job_id)
         feed.close()
+
+
+async def _mark_lost(job_id: str, message: str) -> None:
+    """A job that went silent cannot say so itself: its row says it failed, for the operator."""
+    await DocumentJob.objects.filter(pk=job_id, state__in=("queued", "running")).aupdate(
+        state="failed", error=message, finished_at=timezone.now()
+    )
 
 
 async def _document_json(feed: JobFeed, job_id: str, record: CallRecord) -> dict[str, Any]:

@@ -210,7 +210,11 @@ async def test_a_client_that_leaves_stops_the_job_at_the_next_page(api, files):
             await asyncio.sleep(0.05)
 
     ended = await asyncio.wait_for(settled(), 10)
-    assert ended.state == "cancelled" and ended.cancel_requested
+    assert ended.state == "cancelled" and ended.cancel_requested, (
+        ended.state,
+        ended.pages_done,
+        ended.cancel_requested,
+    )
     assert ended.pages_done <= 2  # the page being converted when the client left, at most
     await asyncio.sleep(1.0)  # nothing converts once the job ended
     assert (await DocumentJob.objects.aget(pk=job.pk)).pages_done == ended.pages_done
@@ -293,3 +297,23 @@ async def test_describe_pictures_puts_the_vision_models_words_under_each_picture
     assert "<!-- image -->\n\n> **Picture:** " in page
     assert body["usage"]["pictures_described"] == 1
     assert body["hypnos_telemetry"]["engine"]["pictures_described"] == 1
+
+
+async def test_a_job_that_crashes_ends_its_stream_with_an_error_and_leaves_nothing(api, files, monkeypatch):
+    from inference import document_job
+
+    def broken(pages: list[str]) -> str:
+        raise RuntimeError("the joiner broke")
+
+    monkeypatch.setattr(document_job, "join_pages", broken)
+    response = await upload(api, files["pdf"], stream="true", return_pictures="true")
+    assert response.status_code == 200
+    events = await read_sse(response)
+    assert [e if e == "[DONE]" else e["object"] for e in events][-2:] == ["error", "[DONE]"]
+    assert events[-2]["error"]["type"] == "server_error" and "the joiner broke" in events[-2]["error"]["message"]
+    job = await DocumentJob.objects.aget(request_id=response["x-request-id"])
+    assert job.state == "failed" and "the joiner broke" in job.error
+    assert not await StoredDocument.objects.filter(id=job.document_id).aexists()
+    assert leftovers() == []
+    response = await upload(api, files["pdf"])
+    assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"

@@ -5,6 +5,7 @@ Celery worker on the Redis broker, PostgreSQL), over HTTP with a real client."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import psycopg
 import pytest
 
 from tests import documents
-from tests.e2e.conftest import Server
+from tests.e2e.conftest import Server, start_celery
 
 pytestmark = pytest.mark.e2e
 URL = "/v1/documents/convert"
@@ -109,7 +110,7 @@ def test_the_job_runs_on_the_celery_worker_and_its_state_is_in_the_database(dist
             "SELECT status, worker FROM django_celery_results_taskresult WHERE task_id = %s", (job[0],)
         ).fetchone()
     assert task is not None and task[0] == "SUCCESS" and task[1].startswith("celery@")
-    celery_log = next(p for p in distributed.procs if p.name == "celery").log.read_text(errors="replace")
+    celery_log = next(p for p in distributed.procs if p.name.startswith("celery")).log.read_text(errors="replace")
     assert job[0] in celery_log
 
 
@@ -143,3 +144,44 @@ def test_a_client_that_leaves_after_the_first_page_stops_the_job(distributed: Se
         again = conn.execute("SELECT pages_done FROM logs_documentjob WHERE request_id = %s", (request_id,)).fetchone()
     # At most the page being converted when the client left runs after the first.
     assert again is not None and again[0] == row[1] <= 2
+
+
+def test_a_job_whose_celery_worker_dies_ends_its_stream_with_an_error(distributed: Server, files):
+    """SIGKILL the Celery worker in the middle of a job: the stream ends with an error event
+    and [DONE] once the job's heartbeats stop (JOB_SILENCE_SECS), and the job's row says failed.
+    The fixture's worker is swapped for one that is killed, then for a fresh one."""
+    from inference.jobs import JOB_SILENCE_SECS
+
+    current = next(p for p in distributed.procs if p.name.startswith("celery"))
+    current.stop()
+    distributed.procs.remove(current)
+    doomed = start_celery(distributed.env, current.log.parent, name="celery-doomed")
+    try:
+        with (
+            open(files["scans"], "rb") as file,
+            httpx.stream(
+                "POST",
+                f"{distributed.base_url}{URL}",
+                data={"model": "docling", "stream": "true"},
+                files={"file": ("scans.pdf", file, "application/pdf")},
+                timeout=300,
+            ) as response,
+        ):
+            request_id = response.headers["x-request-id"]
+            lines = response.iter_lines()
+            for line in lines:
+                if '"document.page"' in line:
+                    break
+            doomed.popen.send_signal(signal.SIGKILL)
+            killed_at = time.monotonic()
+            rest = events_of(list(lines))
+        ended_after = time.monotonic() - killed_at
+    finally:
+        doomed.stop()
+        distributed.procs.append(start_celery(distributed.env, current.log.parent, name="celery-2"))
+    assert [e if isinstance(e, str) else e["object"] for e in rest][-2:] == ["error", "[DONE]"]
+    assert rest[-2]["error"]["type"] == "model_not_available" and "stopped reporting" in rest[-2]["error"]["message"]
+    assert ended_after < JOB_SILENCE_SECS + 3
+    with psycopg.connect(distributed.env["HYPNOS_DATABASE_URL"]) as conn:
+        row = conn.execute("SELECT state, error FROM logs_documentjob WHERE request_id = %s", (request_id,)).fetchone()
+    assert row is not None and row[0] == "failed" and "stopped reporting" in row[1]

@@ -194,7 +194,7 @@ async def test_a_failed_conversion_keeps_no_pictures(api, files):
     assert await StoredDocument.objects.acount() == before and leftovers() == []
 
 
-async def test_a_client_that_leaves_stops_the_job_at_the_next_page(api, files):
+async def test_a_client_that_leaves_stops_the_job_at_the_next_page(api, files, worker):
     response = await upload(api, files["scans"], stream="true")
     consumer, chunks = read_in_background(response)
     assert await wait_until(lambda: b"document.page" in b"".join(chunks), 60)
@@ -219,6 +219,7 @@ async def test_a_client_that_leaves_stops_the_job_at_the_next_page(api, files):
     await asyncio.sleep(1.0)  # nothing converts once the job ended
     assert (await DocumentJob.objects.aget(pk=job.pk)).pages_done == ended.pages_done
     assert leftovers() == []
+    assert worker.tiers.leases(DOCLING) == 0
 
 
 @pytest.fixture
@@ -317,3 +318,31 @@ async def test_a_job_that_crashes_ends_its_stream_with_an_error_and_leaves_nothi
     assert leftovers() == []
     response = await upload(api, files["pdf"])
     assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
+
+
+async def test_docling_is_placed_in_the_tiers_like_every_model(api, files, worker):
+    listed = {m["id"]: m for m in (await api.get("/v1/models")).json()["data"]}
+    assert listed[DOCLING]["modality"] == "document_conversion"
+    status = (await api.get("/v1/memory/status")).json()
+    entry = next(m for m in status["models"] if m["id"] == DOCLING)
+    assert "document_conversion" in entry["modalities"]
+    # Out to disk, then a conversion brings it back: the load is in the telemetry.
+    down = await post_json(api, "/v1/memory/tier", {"model": DOCLING, "target_tier": "tier3_nvme_ssd"})
+    assert down.status_code == 200, down.content
+    body = (await upload(api, files["pdf"])).json()
+    telemetry = body["hypnos_telemetry"]
+    assert telemetry["previous_tier"] == "tier3_nvme_ssd" and telemetry["tier_switch_latency_ms"] > 0
+    assert telemetry["placement"]["primary_tier"] == "tier1_gpu_vram"
+    again = (await upload(api, files["pdf"])).json()["hypnos_telemetry"]
+    assert again["previous_tier"] == "tier1_gpu_vram" and again["tier_switch_latency_ms"] == 0
+    assert worker.tiers.leases(DOCLING) == 0
+
+
+async def test_the_document_metric_families_count_pages(api, files):
+    await upload(api, files["pdf"])
+    page = (await api.get("/metrics")).content.decode()
+    pages = [line for line in page.splitlines() if line.startswith('hypnos_document_pages_total{model="docling"}')]
+    assert pages and float(pages[0].split()[-1]) >= 3
+    assert 'hypnos_document_ms_per_page_bucket{le="+Inf",model="docling"}' in page or (
+        "hypnos_document_ms_per_page_count" in page
+    )

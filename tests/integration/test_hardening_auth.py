@@ -25,6 +25,7 @@ from hypnos_site.config import KeyConfig
 from inference import views
 from inference.realtime import websocket_urlpatterns
 from inference.worker import Worker
+from logs import views as log_views
 from logs.store import levels
 from tests.conftest import PARIS_MESSAGES
 from tests.integration.conftest import post_json, read_in_background, wait_until, with_server
@@ -45,9 +46,12 @@ OPEN_TO_EVERY_KEY = {
     views.AudioSpeechView,
     views.AdvisorView,
     views.UnknownRouteView,
+    views.DocumentConvertView,
+    # A key deletes only its own documents (another key's are a 404: logs/pictures.py).
+    log_views.DocumentView,
 }
 # What a route's URL parameters are filled with when it is called.
-SAMPLE_ARGUMENTS = {"model_id": SMOL, "request_id": "req-" + "0" * 32}
+SAMPLE_ARGUMENTS = {"model_id": SMOL, "request_id": "req-" + "0" * 32, "document_id": "doc-" + "0" * 32, "index": "1"}
 
 
 @pytest.fixture(autouse=True)

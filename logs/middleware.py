@@ -43,7 +43,7 @@ from logs.capture import (
     level_rank,
 )
 from logs.record import CallRecord
-from logs.store import levels, store_entry
+from logs.store import levels, store_later
 from models_registry.authentication import ApiPrincipal, request_key_check
 from models_registry.quotas import STREAM_LEASE_SECS, Permit, get_quotas
 
@@ -251,7 +251,7 @@ class InferenceCallAccount:
         threshold = await levels.get()
         level = entry_level(status, self.record.error, self.cancelled)
         if is_kept(level, threshold):
-            await sync_to_async(store_entry)(self.entry_fields(status, duration_ms, level, threshold))
+            store_later(self.entry_fields(status, duration_ms, level, threshold))
 
     def entry_fields(self, status: int, duration_ms: float, level: str, threshold: str) -> dict[str, Any]:
         """The columns of this call's RequestLogEntry; text only as far as `threshold` captures."""

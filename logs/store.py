@@ -3,11 +3,14 @@ the current level in the shared state (Redis when distributed, memory when embed
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 import threading
 from dataclasses import dataclass
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db.models import Q, QuerySet
 
@@ -16,6 +19,7 @@ from logs.capture import INFERENCE_ROUTES, LEVELS
 from logs.models import RequestLogEntry
 from models_registry.shared_state import is_distributed, shared_redis, state_key
 
+log = logging.getLogger(__name__)
 STATUS_FILTERS = ("ok", "error", "4xx", "5xx")
 
 
@@ -38,6 +42,31 @@ def storable(value: Any) -> Any:
     if isinstance(value, list):
         return [storable(v) for v in value]
     return value
+
+
+# The entries being written after their responses went out (store_later), so that a reader of
+# the log in this process (GET /v1/logs, a clear) sees every call answered before it.
+_writing: set[asyncio.Task[Any]] = set()
+
+
+def store_later(fields: dict[str, Any]) -> None:
+    """Write the entry in the background: the call's response does not wait for the database.
+    Off the request's thread-sensitive executor, which is gone once the response is out."""
+    task = asyncio.ensure_future(sync_to_async(store_entry, thread_sensitive=False)(fields))
+    _writing.add(task)
+    task.add_done_callback(_written)
+
+
+def _written(task: asyncio.Task[Any]) -> None:
+    _writing.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.error("writing a request log entry failed", exc_info=task.exception())
+
+
+async def settled() -> None:
+    """Wait for the entries this process is still writing."""
+    if _writing:
+        await asyncio.gather(*list(_writing), return_exceptions=True)
 
 
 def store_entry(fields: dict[str, Any]) -> RequestLogEntry:

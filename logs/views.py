@@ -12,19 +12,21 @@ kind of route needs the inference worker, so both answer during startup staging.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from collections.abc import Iterable
+from typing import cast
 
 from adrf.views import APIView
 from asgiref.sync import sync_to_async
 from django.db.models import QuerySet
 from django.http import HttpResponse, JsonResponse
-from rest_framework.renderers import BaseRenderer, JSONRenderer
+from rest_framework.negotiation import DefaultContentNegotiation
+from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 
 from hypnos_site.errors import InvalidRequest, NotFound
 from logs import pictures
 from logs.models import RequestLogEntry
-from logs.store import LogQuery, capacity, levels
+from logs.store import LogQuery, capacity, levels, settled
 from models_registry.authentication import ApiPrincipal, IsAdminKey, IsAdminKeyForChanges, is_admin
 
 
@@ -40,6 +42,7 @@ class RequestLogView(APIView):
 
     async def get(self, request: Request) -> JsonResponse:
         query = LogQuery.from_params(request.query_params)
+        await settled()
         entries = visible_entries(request)
         records = [entry.as_record() async for entry in query.apply(entries)]
         return JsonResponse(
@@ -47,6 +50,7 @@ class RequestLogView(APIView):
         )
 
     async def delete(self, request: Request) -> JsonResponse:
+        await settled()
         await RequestLogEntry.objects.all().adelete()
         return JsonResponse({"cleared": True})
 
@@ -54,6 +58,7 @@ class RequestLogView(APIView):
 class RequestLogRecordView(APIView):
     async def get(self, request: Request, request_id: str) -> JsonResponse:
         # Another key's record answers like a missing one: its id says nothing to this key.
+        await settled()
         entry = await visible_entries(request).filter(request_id=request_id).afirst()
         if entry is None:
             raise NotFound(f"No request log record has the id {request_id!r}; it may have left the ring buffer.")
@@ -77,28 +82,37 @@ def principal(request: Request) -> ApiPrincipal | None:
     return cast(ApiPrincipal | None, request.auth)
 
 
-class PngRenderer(BaseRenderer):
-    """Lets `?format=image` through DRF's content negotiation (its URL_FORMAT_OVERRIDE would
-    answer 404 for a format no renderer has); the view writes the bytes itself."""
+class WrittenByTheView(DefaultContentNegotiation):
+    """The document views write their answers themselves (JSON, or a picture's bytes for
+    `?format=image`), so DRF has no renderer to choose. Its own choice reads `format` as its URL
+    format override and raises Django's Http404 for a value no renderer has (`?format=png`),
+    which left the views as a 500."""
 
-    media_type = "image/png"
-    format = "image"
-
-    def render(self, data: Any, accepted_media_type: str | None = None, renderer_context: Any = None) -> Any:
-        return data
+    def select_renderer(
+        self, request: Request, renderers: Iterable[BaseRenderer], format_suffix: str | None = None
+    ) -> tuple[BaseRenderer, str]:
+        renderer = next(iter(renderers))
+        return renderer, str(renderer.media_type)
 
 
 class DocumentPicturesView(APIView):
+    content_negotiation_class = WrittenByTheView
+
     async def get(self, request: Request, document_id: str) -> JsonResponse:
         return JsonResponse(await sync_to_async(pictures.list_pictures)(document_id, principal(request)))
 
 
 class DocumentPictureView(APIView):
-    renderer_classes = [JSONRenderer, PngRenderer]
+    content_negotiation_class = WrittenByTheView
 
     async def get(self, request: Request, document_id: str, index: int) -> HttpResponse:
+        form = request.query_params.get("format") or "json"
+        if form not in ("json", "image"):
+            raise InvalidRequest(
+                f"format must be image (the bare image) or json (the record), not {form!r}.", param="format"
+            )
         picture = await sync_to_async(pictures.find_picture)(document_id, index, principal(request))
-        if request.query_params.get("format") == "image":
+        if form == "image":
             response = HttpResponse(await sync_to_async(pictures.read_image)(picture), content_type=picture.mime)
             response["Cache-Control"] = "private, no-store"
             return response
@@ -106,6 +120,8 @@ class DocumentPictureView(APIView):
 
 
 class DocumentView(APIView):
+    content_negotiation_class = WrittenByTheView
+
     async def delete(self, request: Request, document_id: str) -> JsonResponse:
         await sync_to_async(pictures.delete_document)(document_id, principal(request))
         return JsonResponse({"object": "document.deleted", "id": document_id, "deleted": True})

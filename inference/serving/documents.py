@@ -218,7 +218,13 @@ async def _fetch(url: str, limit: int) -> bytes:
         accept="*/*",
         too_large=lambda message: PayloadTooLarge(message, param="url"),
     )
-    return await image_input.fetch(url, policy)
+    try:
+        return await image_input.fetch(url, policy)
+    except ValueError as exc:
+        # urlsplit's refusal of a malformed netloc ("http://[::1/", a port of 99999 or "x") and
+        # the IDNA codec's of a host label over 63 characters (a UnicodeError) were 500s: the
+        # client sent a URL that is no URL.
+        raise InvalidRequest(f"The document URL {url!r} is malformed: {exc}", param="url") from None
 
 
 def _too_large(size: int, limit: int) -> PayloadTooLarge:

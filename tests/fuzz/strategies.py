@@ -9,14 +9,19 @@ the request a refusal, so a thousand cases run in a few minutes on two cores wit
 from __future__ import annotations
 
 import base64
+import http.server
 import io
 import json
 import math
+import re
 import struct
+import tempfile
+import threading
 import types
 import typing
 import wave
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -28,8 +33,8 @@ from pydantic import BaseModel
 ADMIN_KEY = "sk-fuzz-admin"
 USER_KEY = "sk-fuzz-user"
 VICTIM = "fuzz-victim"  # a copy of SmolLM2 the pool-changing routes may disable, replace or delete
-CHAT, EMBED, STT, TTS = "smollm2-135m", "all-minilm-l6-v2", "whisper-tiny.en", "piper-joe"
-SERVED = (CHAT, EMBED, STT, TTS, VICTIM)
+CHAT, EMBED, STT, TTS, DOCLING = "smollm2-135m", "all-minilm-l6-v2", "whisper-tiny.en", "piper-joe", "docling"
+SERVED = (CHAT, EMBED, STT, TTS, DOCLING, VICTIM)
 ALIASES = ("gpt-4o-mini", "text-embedding-3-small", "whisper-1", "tts-1")
 
 SHORT_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
@@ -154,6 +159,192 @@ image_urls = st.one_of(
 input_audio_data = st.one_of(
     st.builds(lambda b: base64.b64encode(b).decode(), audio_bytes), st.sampled_from(["", "!!!!", "AAAA", "=" * 9])
 )
+
+
+# -- documents ----------------------------------------------------------------------------------
+
+# The fuzz config's document limits (fuzz_config): a few pages and a few tens of KB keep every
+# conversion in the run cheap, and the documents below sit on both sides of each limit.
+MAX_DOCUMENT_BYTES = 48 << 10
+MAX_DOCUMENT_PAGES = 3
+
+
+def _documents() -> dict[str, bytes]:
+    """Real documents, built once (tests/documents.py) and kept as bytes: a temporary folder is
+    all the builders need, and nothing is left behind."""
+    from tests import documents
+
+    with tempfile.TemporaryDirectory() as folder:
+        here = Path(folder)
+        return {
+            "pdf": documents.long_pdf(here / "two.pdf", 2).read_bytes(),
+            "pictures_pdf": documents.multipage_pdf(here / "report.pdf").read_bytes(),
+            "too_many_pages": documents.long_pdf(here / "five.pdf", MAX_DOCUMENT_PAGES + 2).read_bytes(),
+            "docx": documents.docx_file(here / "plan.docx").read_bytes(),
+            "html": documents.html_file(here / "page.html").read_bytes(),
+            "encrypted": documents.encrypted_pdf(here / "locked.pdf").read_bytes(),
+        }
+
+
+DOCUMENTS = _documents()
+document_bytes = st.one_of(
+    st.sampled_from(
+        [
+            DOCUMENTS["pdf"],
+            DOCUMENTS["pictures_pdf"],
+            DOCUMENTS["pictures_pdf"],
+            DOCUMENTS["pictures_pdf"],
+            DOCUMENTS["html"],
+            DOCUMENTS["docx"],
+            DOCUMENTS["too_many_pages"],
+            DOCUMENTS["encrypted"],
+            DOCUMENTS["pdf"][: len(DOCUMENTS["pdf"]) // 2],  # truncated: no %%EOF
+            DOCUMENTS["pdf"][:400] + b"%%EOF",  # cut, with an end marker
+            DOCUMENTS["docx"][:2000],  # a zip without its directory
+            PNG,
+            b"# Title\n\nSome *markdown*.\n",
+            b"a,b\n1,2\n",
+            b"",
+            b"%PDF-",
+            b"%PDF-1.7\n%%EOF",
+            b"PK\x03\x04" + b"\0" * 26,
+            b"\xff\xfe\x00\x00",
+            b"%PDF-" + b"\0" * MAX_DOCUMENT_BYTES,  # just over the size limit
+        ]
+    ),
+    st.binary(max_size=64),
+)
+document_files = st.one_of(
+    document_bytes.map(lambda data: base64.b64encode(data).decode()),
+    document_bytes.map(lambda data: base64.b64encode(data).decode()),
+    st.builds(
+        _data_url, st.sampled_from(["application/pdf", "text/html", "", "application/octet-stream"]), document_bytes
+    ),
+    st.sampled_from(
+        [
+            "",
+            "!!!!",
+            "AAA",
+            "data:",
+            "data:application/pdf,%PDF-1.7",
+            "data:application/pdf;base64,",
+            "data:;base64,JVBERi0=",
+            "data:application/pdf;base64,!!!",
+            base64.urlsafe_b64encode(b"\xfb\xff" * 8).decode(),
+            base64.b64encode(DOCUMENTS["pdf"]).decode()[:-3],
+        ]
+    ),
+)
+
+
+class FetchTrap:
+    """An HTTP server on loopback that serves the PDF and counts the requests it gets: a
+    document URL on a private address must be refused before anything connects, so any hit is
+    a finding. Started on first use (it needs a port before the URLs can name it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._server: http.server.ThreadingHTTPServer | None = None
+        self._hits: list[str] = []
+
+    @property
+    def port(self) -> int:
+        with self._lock:
+            if self._server is None:
+                self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+                threading.Thread(target=self._server.serve_forever, name="fuzz-fetch-trap", daemon=True).start()
+            return int(self._server.server_address[1])
+
+    def take(self) -> list[str]:
+        """The paths requested since the last call."""
+        with self._lock:
+            hits, self._hits = self._hits, []
+        return hits
+
+    def _handler(self) -> type[http.server.BaseHTTPRequestHandler]:
+        trap = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                with trap._lock:
+                    trap._hits.append(self.path)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/pdf")
+                self.send_header("Content-Length", str(len(DOCUMENTS["pdf"])))
+                self.end_headers()
+                self.wfile.write(DOCUMENTS["pdf"])
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        return Handler
+
+
+FETCH_TRAP = FetchTrap()
+# Every address here is loopback, private, link-local, metadata or unspecified, or the URL is
+# malformed: all of them must be refused with a 400 (spec §12: the image URL rules).
+PRIVATE_URL_HOSTS = [h for h in URL_HOSTS if h not in ("8.8.8.8:1", "")] + [
+    "127.1",
+    "2130706433",
+    "0x7f.0.0.1",
+    "[::ffff:7f00:1]",
+    "[64:ff9b::7f00:1]",
+    "100.64.0.1",
+    "192.168.0.1:99999",
+    "127.0.0.1:x",
+    "user:pass@127.0.0.1",
+]
+document_urls = st.one_of(
+    st.builds(
+        lambda scheme, host, path: f"{scheme}://{host}/{path}",
+        st.sampled_from(["http", "https", "HTTP"]),
+        st.sampled_from(PRIVATE_URL_HOSTS),
+        st.sampled_from(["report.pdf", "", "%00", "latest/meta-data/", "a/../b.pdf"]),
+    ),
+    st.builds(
+        lambda host, path: f"http://{host}:{FETCH_TRAP.port}/{path}",
+        st.sampled_from(["127.0.0.1", "localhost", "[::ffff:127.0.0.1]", "0.0.0.0"]),
+        st.sampled_from(["report.pdf", "x"]),
+    ),
+    st.sampled_from(
+        [
+            "file:///etc/passwd",
+            "ftp://127.0.0.1/x.pdf",
+            "gopher://127.0.0.1:70/",
+            "javascript:alert(1)",
+            "data:application/pdf;base64,JVBERi0=",
+            "//127.0.0.1/x.pdf",
+            "http:///x.pdf",
+            "http://",
+            "not a url",
+            "",
+            "http://[::1/x.pdf",
+            "http://\x00/x.pdf",
+            "http://" + "a" * 300 + "/x.pdf",
+        ]
+    ),
+)
+document_names = st.sampled_from(
+    ["report.pdf", "page.html", "notes.md", "plan.docx", "noext", ".pdf", "x.PDF", "\u00e9t\u00e9.pdf", "a" * 300]
+)
+document_pages = st.sampled_from(["1", "2", "1-2", "2-1", "0", "99", "x", "", " 1 ", "-1", "1-", "-", "1-99", "9" * 32])
+# Vision models for describe_pictures: the fuzz lineup has none, so each names something else.
+describe_models = st.sampled_from([CHAT, "nope", "", DOCLING, STT, "gpt-4o-mini"])
+
+
+@st.composite
+def document_source(draw: st.DrawFn, fields: dict[str, Any]) -> dict[str, Any]:
+    """A convert body's fields with its document: mostly `file` holding a real document, then a
+    URL (never to be fetched), both or neither, or the wire model's own random draw."""
+    kind = draw(st.sampled_from(["file"] * 7 + ["url", "url", "both", "neither", "drawn"]))
+    if kind == "drawn":
+        return fields
+    rest = {k: v for k, v in fields.items() if k not in ("file", "url")}
+    if kind in ("file", "both"):
+        rest["file"] = draw(document_files)
+    if kind in ("url", "both"):
+        rest["url"] = draw(document_urls)
+    return rest
 
 
 # -- JSON schemas (response_format, tools, text.format) ---------------------------------------
@@ -325,6 +516,13 @@ MODEL_FIELD_OVERRIDES: dict[str, st.SearchStrategy[Any]] = {
     "ResponsesRequest.input": st.one_of(WORDS, responses_items),
     "SpeechRequest.input": WORDS,
     "EmbeddingRequest.input": st.one_of(WORDS, st.lists(WORDS, max_size=3), st.just(""), st.just([])),
+    "DocumentConvertRequest.model": st.sampled_from([DOCLING] * 8 + [CHAT, EMBED, "nope", ""]),
+    "DocumentConvertRequest.filename": document_names,
+    "DocumentConvertRequest.pages": document_pages,
+    "DocumentConvertRequest.describe_pictures": describe_models,
+    # Mostly kept, so the picture routes find stored pictures (SEEN_DOCUMENTS).
+    "DocumentConvertRequest.return_pictures": st.sampled_from([True, True, True, False]),
+    "DocumentConvertRequest.url": document_urls,
     "ResponsesRequest.tool_choice": st.one_of(
         st.sampled_from(["none", "auto", "required"]), st.just({"type": "function", "name": "get_weather"}), small_json
     ),
@@ -780,3 +978,106 @@ query_strings = st.one_of(
     ),
     st.sampled_from(["?", "?&&", "?a=1&a=2", "?%zz", "?limit"]),
 )
+
+
+# -- the document routes' uploads and ids --------------------------------------------------------
+
+
+@st.composite
+def document_upload(draw: st.DrawFn) -> tuple[bytes, str]:
+    """A multipart convert upload, mutated like transcription_upload: the file part with an
+    odd name or none, form booleans that are no booleans, a URL part beside it or instead."""
+    form_bools = st.sampled_from(["true", "false", "1", "0", "yes", "no", "on", "off", "TRUE", " yes ", "maybe", ""])
+    fields = draw(
+        mutated(
+            draw(
+                st.fixed_dictionaries(
+                    {"model": st.sampled_from([DOCLING] * 6 + [CHAT, "nope", ""])},
+                    optional={
+                        "pages": document_pages,
+                        "ocr": form_bools,
+                        "stream": form_bools,
+                        "return_pictures": st.one_of(st.sampled_from(["true", "yes", "1"]), form_bools),
+                        "output_format": st.sampled_from(["markdown", "json", "html", ""]),
+                        "filename": document_names,
+                        "describe_pictures": describe_models,
+                        "url": document_urls,
+                    },
+                )
+            ),
+            max_mutations=1,
+        )
+    )
+    parts = [
+        (str(k), None, v.encode("utf-8", "surrogatepass") if isinstance(v, str) else encode_json(v, "plain"))
+        for k, v in (fields.items() if isinstance(fields, dict) else [])
+    ]
+    if draw(st.integers(0, 9)):
+        name = draw(st.sampled_from(["report.pdf", "report.pdf", "", "a\x00.pdf", "../x.pdf", "..", "x/y.docx", None]))
+        parts.append(("file", name, draw(document_bytes)))
+    if not draw(st.integers(0, 9)):
+        parts.append(("file", None, base64.b64encode(DOCUMENTS["pdf"])))  # a text part named file
+    body = multipart(draw(st.permutations(parts)))
+    shape = draw(st.sampled_from(["ok"] * 8 + ["no_boundary", "wrong_boundary", "truncated", "empty"]))
+    content_type = "multipart/form-data; boundary=fuzzBoundary123"
+    if shape == "no_boundary":
+        content_type = "multipart/form-data"
+    elif shape == "wrong_boundary":
+        content_type = "multipart/form-data; boundary=other"
+    elif shape == "truncated":
+        body = body[: len(body) // 2]
+    elif shape == "empty":
+        body = b""
+    return body, content_type
+
+
+# The ids of the picture-store documents the fuzzed conversions made (return_pictures), noted
+# from their successful answers (an error message may echo a made-up id), so the picture routes
+# also reach documents that exist.
+DOCUMENT_ID = re.compile(rb"doc-[0-9a-f]{32}")
+SEEN_DOCUMENTS: list[str] = []
+
+
+def note_documents(route: str, status: int | None, body: bytes) -> None:
+    if not route.endswith("documents/convert") or status != 200:
+        return
+    for found in DOCUMENT_ID.findall(body):
+        if found.decode() not in SEEN_DOCUMENTS:
+            SEEN_DOCUMENTS.append(found.decode())
+
+
+def _seen_document(draw: int) -> str:
+    return SEEN_DOCUMENTS[draw % len(SEEN_DOCUMENTS)] if SEEN_DOCUMENTS else "doc-" + "0" * 32
+
+
+HEX = "0123456789abcdef"
+seen_documents = st.integers(0, 1 << 16).map(_seen_document)
+document_ids = st.one_of(
+    seen_documents,
+    seen_documents,
+    seen_documents,
+    st.text(st.sampled_from(HEX), min_size=32, max_size=32).map(lambda h: "doc-" + h),
+    st.sampled_from(
+        [
+            "doc-" + "0" * 31,
+            "doc-" + "0" * 33,
+            "DOC-" + "0" * 32,
+            "doc-" + "A" * 32,
+            "doc-" + "g" * 32,
+            "doc-",
+            "..",
+            "%2e%2e",
+            "..%2f..%2fetc%2fpasswd",
+            "doc-" + "0" * 32 + "%2f..",
+            "doc-" + "0" * 32 + "%00",
+            "convert",
+            "%00",
+        ]
+    ),
+    SHORT_TEXT.filter(bool).map(path_segment),
+)
+# Mostly 1, the picture every stored document of the fuzz run has.
+picture_indexes = st.sampled_from(
+    ["1"] * 6 + ["0", "2", "3", "-1", "x", "01", "1.5", "%31", " 1", str(2**31), str(2**63 - 1), str(2**63), "9" * 40]
+)
+picture_formats = st.sampled_from(["", "", "?format=image", "?format=image", "?format=json", "?format=png", "?format="])

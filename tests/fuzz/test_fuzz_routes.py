@@ -2,14 +2,16 @@
 
 Hypothesis builds requests for each route (bodies from the wire models, valid then mutated; raw
 garbage; multipart uploads; odd content types, headers, methods and paths) and sends them to the
-Django app through Django's AsyncClient, with a worker serving SmolLM2, MiniLM, Whisper tiny.en
-and Piper. Every answer must hold the contract of spec §1 and §4:
+Django app through Django's AsyncClient, with a worker serving SmolLM2, MiniLM, Whisper tiny.en,
+Piper and docling (document conversions run as Celery tasks, eager on a thread). Every answer
+must hold the contract of spec §1 and §4:
 
 - no 5xx (except the spec's own: 503 deadline_unmeetable when the request set a deadline,
   507 when a manual placement does not fit), no exception, no hang;
 - every 4xx is the JSON envelope {"error": {"message", "type", "param", "code"}}, except the
   plain-text 408 and 413 of spec §4;
-- every answer carries x-request-id: req-<32 hex>.
+- every answer carries x-request-id: req-<32 hex>;
+- no document URL on a private address is fetched (a loopback server counts what reaches it).
 
 The findings are collected over the whole run and reported together. KNOWN_OPEN lists, one
 predicate per finding, the shapes that still fail while their fixes land (issue 12); an entry
@@ -47,7 +49,7 @@ from inference.protocol import (
     MoeOffloadRequest,
     ResponsesRequest,
 )
-from inference.protocol_media import EmbeddingRequest, SpeechRequest, TranscriptionRequest
+from inference.protocol_media import DocumentConvertRequest, EmbeddingRequest, SpeechRequest, TranscriptionRequest
 from tests.fuzz import strategies as fz
 from tests.integration.conftest import with_limits, with_server
 
@@ -160,6 +162,11 @@ transcription_json = fz.wire_body(TranscriptionRequest).flatmap(
     lambda fields: st.builds(lambda audio: {**fields, "audio_bytes": list(audio)}, fz.audio_bytes)
 )
 log_ids = st.one_of(st.just("req-" + "0" * 32), fz.path_ids)
+document_json = fz.wire_body(DocumentConvertRequest).flatmap(fz.document_source)
+pictures_paths = fz.document_ids.map(lambda i: f"documents/{i}/pictures")
+picture_paths = st.builds(
+    lambda i, n, query: f"documents/{i}/pictures/{n}{query}", fz.document_ids, fz.picture_indexes, fz.picture_formats
+)
 
 V1_ROUTES = [
     Route("chat/completions", ("POST",), fz.wire_body(ChatCompletionRequest), weight=12),
@@ -190,6 +197,16 @@ V1_ROUTES = [
     Route("embeddings", ("POST",), fz.wire_body(EmbeddingRequest), weight=6),
     Route("audio/transcriptions", ("POST",), transcription_json, weight=6),
     Route("audio/speech", ("POST",), fz.wire_body(SpeechRequest), weight=6),
+    Route("documents/convert", ("POST",), document_json, weight=6),
+    # After the conversions, whose picture-store documents they then find (fz.SEEN_DOCUMENTS).
+    Route("documents/<document_id:document_id>/pictures", ("GET", "HEAD"), path=pictures_paths, weight=2),
+    Route("documents/<document_id:document_id>/pictures/<int:index>", ("GET", "HEAD"), path=picture_paths, weight=3),
+    Route(
+        "documents/<document_id:document_id>",
+        ("DELETE", "GET"),
+        path=fz.document_ids.map(lambda i: f"documents/{i}"),
+        weight=2,
+    ),
     Route(
         "^.*$",
         ("GET", "POST", "DELETE"),
@@ -241,13 +258,17 @@ def _url_of(route: Route, drawn: str | None) -> str:
 @st.composite
 def cases(draw: st.DrawFn, route: Route) -> Case:
     method = draw(st.sampled_from(route.methods)) if draw(st.integers(0, 9)) else draw(st.sampled_from(METHODS))
-    path = _url_of(route, draw(route.path) if route.path is not None else None) + draw(fz.query_strings)
+    path = _url_of(route, draw(route.path) if route.path is not None else None)
+    query = draw(fz.query_strings)
+    path += "&" + query[1:] if query and "?" in path else query
     case = Case(route.pattern, method, path, draw(fz.headers()))
     if method in ("GET", "HEAD", "OPTIONS", "DELETE") and not draw(st.integers(0, 7)) == 0:
         return case
     kind = draw(st.sampled_from(["wire"] * 8 + ["garbage"])) if route.body is not None else "garbage"
-    if route.pattern.endswith("audio/transcriptions") and draw(st.booleans()):
-        case.body, case.content_type = draw(fz.transcription_upload())
+    uploads = {"audio/transcriptions": fz.transcription_upload, "documents/convert": fz.document_upload}
+    upload = next((made for suffix, made in uploads.items() if route.pattern.endswith(suffix)), None)
+    if upload is not None and draw(st.booleans()):
+        case.body, case.content_type = draw(upload())
         case.shape = "multipart"
         return case
     if kind == "wire":
@@ -270,6 +291,7 @@ class Outcome:
     body: bytes = b""
     error: str | None = None  # an exception or a hang instead of an answer
     logged: list[str] = field(default_factory=list)  # ERROR records the server logged meanwhile
+    fetched: list[str] = field(default_factory=list)  # paths the fetch trap served meanwhile
 
 
 def _nesting(body: bytes) -> int:
@@ -312,6 +334,7 @@ def violations(case: Case, outcome: Outcome) -> list[str]:
     if outcome.error is not None:
         return [outcome.error]
     found = [LOGGED + line for line in outcome.logged]
+    found += [f"fetched a private address: {path[:80]}" for path in outcome.fetched]
     status, content_type = outcome.status or 0, outcome.headers.get("content-type", "")
     if not REQUEST_ID.match(outcome.headers.get("x-request-id", "")):
         found.append(f"x-request-id missing or malformed: {outcome.headers.get('x-request-id')!r}")
@@ -463,9 +486,17 @@ class Report:
 
 def fuzz_config(settings_: Any) -> HypnosConfig:
     """The suite's config with what keeps the run cheap: tiny answers, short prompts, small
-    uploads, the four media-and-chat models plus a victim copy of SmolLM2, and API keys (an
-    admin and a plain one) so the authentication paths are fuzzed too."""
-    with_limits(settings_, max_tokens_cap=2, max_prompt_chars=400, max_audio_bytes=256 << 10, max_image_bytes=64 << 10)
+    uploads and documents of a few pages, the media, chat and document models plus a victim copy
+    of SmolLM2, and API keys (an admin and a plain one) so the authentication paths are fuzzed too."""
+    with_limits(
+        settings_,
+        max_tokens_cap=2,
+        max_prompt_chars=400,
+        max_audio_bytes=256 << 10,
+        max_image_bytes=64 << 10,
+        max_document_bytes=fz.MAX_DOCUMENT_BYTES,
+        max_document_pages=fz.MAX_DOCUMENT_PAGES,
+    )
     with_server(settings_, api_keys=[fz.ADMIN_KEY], keys=[KeyConfig(key=fz.USER_KEY, label="fuzz-user")])
     config: HypnosConfig = settings_.HYPNOS
     served = [m for m in config.models if m.id in fz.SERVED]
@@ -502,10 +533,13 @@ def fuzz_route(route: Route, answer: Callable[[Case], Outcome], errors: ErrorRec
             report.excluded[excluded[0]] += 1
             return
         errors.take()
+        fz.FETCH_TRAP.take()
         started = time.monotonic()
         outcome = answer(case)
         report.seconds[case.route] += time.monotonic() - started
         outcome.logged = errors.take()
+        outcome.fetched = fz.FETCH_TRAP.take()
+        fz.note_documents(case.route, outcome.status, outcome.body)
         report.record(case, outcome)
 
     run()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from django.http import JsonResponse
+from django.http import Http404, JsonResponse
 from rest_framework import exceptions as drf
 
 log = logging.getLogger(__name__)
@@ -197,6 +197,9 @@ def _from_drf(exc: drf.APIException) -> HypnosError:
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> JsonResponse | None:
     """DRF's EXCEPTION_HANDLER: every error of a /v1 view leaves through here."""
+    if isinstance(exc, Http404):
+        # DRF's own (an unknown ?format= has no renderer) and get_object_or_404's.
+        exc = NotFound(str(exc) or "Not found.")
     if isinstance(exc, drf.APIException):
         exc = _from_drf(exc)
     if not isinstance(exc, HypnosError):

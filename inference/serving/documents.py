@@ -146,11 +146,15 @@ async def _check_vision_model(client: InferenceClient, name: str) -> None:
 
 
 def _name_of(upload: Any, url: str | None) -> str | None:
+    """The document's name from its part or its URL: a plain name of at most 255 characters
+    (a URL's %00 or an endless last segment never reach the job's row)."""
+    name = ""
     if upload is not None:
-        return Path(getattr(upload, "name", "") or "").name or None
-    if url:
-        return Path(unquote(urlsplit(url).path)).name or None
-    return None
+        name = Path(getattr(upload, "name", "") or "").name
+    elif url:
+        name = Path(unquote(urlsplit(url).path)).name
+    name = "".join(ch for ch in name if ch.isprintable())[-255:]
+    return name or None
 
 
 async def _spool(body: DocumentConvertRequest, upload: Any, request_id: str) -> Path:
@@ -218,13 +222,7 @@ async def _fetch(url: str, limit: int) -> bytes:
         accept="*/*",
         too_large=lambda message: PayloadTooLarge(message, param="url"),
     )
-    try:
-        return await image_input.fetch(url, policy)
-    except ValueError as exc:
-        # urlsplit's refusal of a malformed netloc ("http://[::1/", a port of 99999 or "x") and
-        # the IDNA codec's of a host label over 63 characters (a UnicodeError) were 500s: the
-        # client sent a URL that is no URL.
-        raise InvalidRequest(f"The document URL {url!r} is malformed: {exc}", param="url") from None
+    return await image_input.fetch(url, policy)
 
 
 def _too_large(size: int, limit: int) -> PayloadTooLarge:

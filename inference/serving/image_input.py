@@ -171,6 +171,10 @@ async def fetch(url: str, policy: ImagePolicy) -> bytes:
     try:
         async with asyncio.timeout(policy.fetch_timeout_secs):
             return await _fetch(url, policy)
+    except ValueError as exc:
+        # urlsplit's refusal of a malformed netloc ("http://[::1/", a port of 99999 or "x") and
+        # the IDNA codec's of a host label over 63 characters (a UnicodeError): no URL at all.
+        raise InvalidRequest(f"The {policy.noun} URL {url!r} is malformed: {exc}", param=policy.param) from None
     except TimeoutError:
         raise InvalidRequest(
             f"Fetching the {policy.noun} URL {url!r} took longer than limits.remote_fetch_timeout_secs "

@@ -56,3 +56,21 @@ async def test_a_format_the_picture_routes_do_not_know_is_a_400_not_a_500(api, r
 async def test_a_malformed_document_url_is_a_400_naming_url(api, url):
     # urlsplit's ValueError and the IDNA codec's UnicodeError left the route as 500s.
     assert "malformed" in refused(await post_json(api, URL, {"model": DOCLING, "url": url}), 400, "url")
+
+
+async def test_an_unknown_format_query_on_any_route_is_a_404_in_the_envelope(api):
+    for path in ("/v1/documents/%00/pictures/0?format=png", "/v1/models?format=xml", "/v1/no/such?format=png"):
+        response = await api.get(path)
+        assert response.status_code == 404, (path, response.content)
+        assert response.json()["error"]["type"] in ("not_found", "invalid_request_error")
+
+
+async def test_a_malformed_url_is_a_400_for_images_too(settings):
+    from hypnos_site.errors import InvalidRequest
+    from inference.serving.image_input import ImagePolicy, fetch
+
+    policy = ImagePolicy.from_limits(settings.HYPNOS.limits)
+    for url in ("http://[::1/x.png", "http://host:99999/x.png", "http://" + "a" * 64 + ".com/x.png"):
+        with pytest.raises(InvalidRequest, match="malformed") as refused:
+            await fetch(url, policy)
+        assert refused.value.param == "messages"

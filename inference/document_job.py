@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 PLACEHOLDER = "<!-- image -->"
 DESCRIBE_PROMPT = "Describe this picture from a document in one or two sentences."
 DESCRIBE_MAX_TOKENS = 96
+# The job's row says how many pages are done at most this often while it runs (a row update per
+# text page cost about a millisecond of its five), and exactly once it has ended.
+PROGRESS_SAVE_SECS = 0.5
 
 
 class ConversionSpec(BaseModel):
@@ -75,6 +78,7 @@ async def run_job(job_id: str, client: InferenceClient, layer: Any) -> dict[str,
     spec = ConversionSpec.model_validate(job.spec)
     reporter = JobReporter(layer, spec.progress_channel)
     picture_dir = _picture_dir(job_id) if spec.return_pictures or spec.describe_pictures else None
+    conversion: _Conversion | None = None
     try:
         if job.cancel_requested:
             raise Cancelled("the client left before the job started")
@@ -82,11 +86,11 @@ async def run_job(job_id: str, client: InferenceClient, layer: Any) -> dict[str,
         conversion = _Conversion(job, spec, client, reporter, picture_dir)
         document = await _watched(job_id, conversion.run(), reporter)
         # The row is final before the client hears the end.
-        await _set(job, state="done", finished_at=timezone.now())
+        await _set(job, state="done", pages_done=len(conversion.pages), finished_at=timezone.now())
         await reporter.send(Done(result=document, telemetry=document["hypnos_telemetry"]))
         return {**document, "pages": conversion.pages}
     except (asyncio.CancelledError, Cancelled):
-        await _set(job, state="cancelled", finished_at=timezone.now())
+        await _set(job, state="cancelled", pages_done=_pages_done(conversion), finished_at=timezone.now())
         await _discard(job)
         return None
     except Exception as exc:
@@ -95,7 +99,13 @@ async def run_job(job_id: str, client: InferenceClient, layer: Any) -> dict[str,
         else:
             log.exception("document job %s failed", job_id)
             error = ServerError(f"The conversion failed: {type(exc).__name__}: {exc}")
-        await _set(job, state="failed", error=error.message[:2000], finished_at=timezone.now())
+        await _set(
+            job,
+            state="failed",
+            error=error.message[:2000],
+            pages_done=_pages_done(conversion),
+            finished_at=timezone.now(),
+        )
         await _discard(job)
         await reporter.error(error)
         return None
@@ -140,6 +150,7 @@ class _Conversion:
         self.pages: list[dict[str, Any]] = []
         self.picture_count = 0
         self.described = 0
+        self.progress_saved_at = 0.0
 
     async def run(self) -> dict[str, Any]:
         """Convert, page by page; the document without its pages (they went out one by one)."""
@@ -232,7 +243,10 @@ class _Conversion:
             page["picture_urls"] = urls
         self.pages.append(page)
         await self.reporter.send(PageReady(page=page))
-        await DocumentJob.objects.filter(pk=self.job.pk).aupdate(pages_done=len(self.pages))
+        now = time.monotonic()
+        if now - self.progress_saved_at >= PROGRESS_SAVE_SECS:
+            self.progress_saved_at = now
+            await DocumentJob.objects.filter(pk=self.job.pk).aupdate(pages_done=len(self.pages))
 
     async def _describe(self, png: bytes) -> str:
         """The vision model's description of one picture."""
@@ -276,6 +290,10 @@ class _Conversion:
             }
         )
         return document
+
+
+def _pages_done(conversion: _Conversion | None) -> int:
+    return len(conversion.pages) if conversion is not None else 0
 
 
 def insert_descriptions(markdown: str, descriptions: list[str]) -> str:

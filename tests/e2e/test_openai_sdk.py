@@ -55,6 +55,7 @@ def test_the_sdk_lists_the_models(server):
         "all-minilm-l6-v2",
         "whisper-tiny.en",
         "piper-joe",
+        "docling",
     ]
 
 

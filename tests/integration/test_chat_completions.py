@@ -191,6 +191,7 @@ async def test_models_lists_the_pool_with_its_tier(api):
         "all-minilm-l6-v2",
         "whisper-tiny.en",
         "piper-joe",
+        "docling",
     ]
     model = body["data"][0]
     assert model["id"] == MODEL and model["object"] == "model" and model["owned_by"] == "hypnos"

@@ -7,8 +7,9 @@ import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hypnos_site.settings")
 
-from django.core.asgi import get_asgi_application  # noqa: E402
+from hypnos_site.handler import get_asgi_application  # noqa: E402
 
+# Django's ASGI handler, its request threads pooled (hypnos_site/handler.py).
 django_application = get_asgi_application()
 
 from django.conf import settings  # noqa: E402

@@ -255,12 +255,16 @@ async def _cancel(job_id: str) -> None:
     """The client left or the request failed: the job stops at its next page (a queued one
     never starts). Runs to its end even when the caller is cancelled."""
 
-    async def cancel() -> None:
-        await DocumentJob.objects.filter(pk=job_id, state__in=("queued", "running")).aupdate(cancel_requested=True)
+    def cancel_now() -> None:
+        DocumentJob.objects.filter(pk=job_id, state__in=("queued", "running")).update(cancel_requested=True)
         if not settings.CELERY_TASK_ALWAYS_EAGER:
             from hypnos_site.celery import app
 
-            await sync_to_async(app.control.revoke)(job_id)
+            app.control.revoke(job_id)
+
+    async def cancel() -> None:
+        # Not thread-sensitive: when the client left, this outlives the request and its thread.
+        await sync_to_async(cancel_now, thread_sensitive=False)()
 
     try:
         await asyncio.shield(cancel())

@@ -21,7 +21,7 @@ from inference.wire import TERMINAL, Accepted, Delta, Error, Heartbeat, decode_r
 from inference.worker.core import Worker
 
 log = logging.getLogger(__name__)
-# Deltas waiting together are sent as one message; this bounds how long the first one waits.
+# After a request's first delta, the deltas that come within this long go as one message.
 DELTA_BATCH_SECS = 0.005
 RECEIVE_RETRY_SECS = 1.0
 HEARTBEAT_SECS = 0.5
@@ -108,6 +108,7 @@ class ChannelServer:
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
         self.worker.submit(request, sink)
+        streaming = False
         while True:
             try:
                 event = await asyncio.wait_for(queue.get(), HEARTBEAT_SECS)
@@ -115,8 +116,14 @@ class ChannelServer:
                 await send(Heartbeat())
                 continue
             if isinstance(event, Delta):
-                await asyncio.sleep(DELTA_BATCH_SECS)
                 event, terminal = _merge_deltas(event, queue)
+                if terminal is None and streaming:
+                    # Deltas are flowing: wait a moment for more to share the message. The first
+                    # goes at once (it is the client's time to first token), and so does a delta
+                    # the end already follows.
+                    await asyncio.sleep(DELTA_BATCH_SECS)
+                    event, terminal = _merge_deltas(event, queue)
+                streaming = True
                 await send(event)
                 if terminal is None:
                     continue

@@ -6,8 +6,25 @@ from django.db.models import Count
 from logs.models import DocumentJob, RequestLogEntry, StoredDocument, StoredPicture
 
 
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Rows the server writes: the admin lists them and never adds or edits one."""
+
+    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+
+class NoDeleteAdmin(admin.ModelAdmin):
+    """Rows with files beside them (the picture store): deleting one here would leave its files."""
+
+    def has_delete_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+
 @admin.register(RequestLogEntry)
-class RequestLogEntryAdmin(admin.ModelAdmin):
+class RequestLogEntryAdmin(ReadOnlyAdmin):
     """Read-only: entries are written by the server only."""
 
     list_display = [
@@ -25,15 +42,9 @@ class RequestLogEntryAdmin(admin.ModelAdmin):
     list_filter = ["route", "status", "level", "key_label"]
     search_fields = ["request_id", "model"]
 
-    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
-        return False
-
 
 @admin.register(StoredDocument)
-class StoredDocumentAdmin(admin.ModelAdmin):
+class StoredDocumentAdmin(ReadOnlyAdmin, NoDeleteAdmin):
     """Read-only: the picture store writes and deletes documents with their files (logs.pictures);
     a row deleted here would leave its files behind."""
 
@@ -57,35 +68,17 @@ class StoredDocumentAdmin(admin.ModelAdmin):
     def picture_count(self, document: StoredDocument) -> int:
         return document.picture_count  # type: ignore[attr-defined]
 
-    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
-        return False
-
 
 @admin.register(StoredPicture)
-class StoredPictureAdmin(admin.ModelAdmin):
+class StoredPictureAdmin(ReadOnlyAdmin, NoDeleteAdmin):
     """Read-only, like the documents."""
 
     list_display = ["document", "index", "page", "width", "height", "bytes", "caption"]
     search_fields = ["document__id", "caption"]
 
-    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
-        return False
-
 
 @admin.register(DocumentJob)
-class DocumentJobAdmin(admin.ModelAdmin):
+class DocumentJobAdmin(ReadOnlyAdmin):
     """Read-only: the long jobs with their state, pages done and duration (the jobs write them)."""
 
     list_display = [
@@ -106,9 +99,3 @@ class DocumentJobAdmin(admin.ModelAdmin):
     @admin.display(description="duration (ms)")
     def job_duration_ms(self, job: DocumentJob) -> float | None:
         return job.duration_ms
-
-    def has_add_permission(self, request) -> bool:  # type: ignore[no-untyped-def]
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:  # type: ignore[no-untyped-def]
-        return False

@@ -490,14 +490,10 @@ class Worker:
             with lease.generating():
                 result = engine.chat(work, cancel, on_delta)
         inference_ms = (time.perf_counter() - started) * 1000
-        telemetry: dict[str, Any] = {
-            "previous_tier": str(switch.previous_tier),
-            "placement": self.tiers.placement(runtime.config.id).as_dict(),
-            "tier_switch_latency_ms": round(switch.phases.total_ms, 1) if switch.phases else 0.0,
-            "inference_latency_ms": round(inference_ms, 1),
-            "evicted_models": switch.evicted,
-            "engine": {"queue_ms": round(queue_ms, 1), **result.engine_timings()},
-        }
+        placement = self.tiers.placement(runtime.config.id)
+        telemetry = switch.telemetry(
+            placement, inference_ms, {"queue_ms": round(queue_ms, 1), **result.engine_timings()}
+        )
         if switch.phases:
             telemetry["tier_switch_phases"] = switch.phases.as_dict()
         usage = Usage(

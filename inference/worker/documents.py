@@ -69,9 +69,12 @@ def serve_document(
     document = engine.open_document(Path(work.path), work.filename, work.max_pages)
     try:
         pages = page_numbers(work.pages, document.page_count)
-        switch_ms = round(switch.phases.total_ms, 1) if switch.phases else 0.0
         sink(
-            Started(previous_tier=str(switch.previous_tier), gpu_layers=placement.gpu_layers, tier_switch_ms=switch_ms)
+            Started(
+                previous_tier=str(switch.previous_tier),
+                gpu_layers=placement.gpu_layers,
+                tier_switch_ms=switch.switch_ms,
+            )
         )
         sink(
             DocumentOpened(
@@ -92,20 +95,14 @@ def serve_document(
         inference_ms = (time.perf_counter() - started) * 1000
     finally:
         engine.close_document(document)
-    telemetry: dict[str, Any] = {
-        "previous_tier": str(switch.previous_tier),
-        "placement": placement.as_dict(),
-        "tier_switch_latency_ms": switch_ms,
-        "inference_latency_ms": round(inference_ms, 1),
-        "evicted_models": switch.evicted,
-        "engine": {
-            "queue_ms": round(queue_ms, 1),
-            "pages": len(pages),
-            "ms_per_page": round(inference_ms / len(pages), 1) if pages else 0.0,
-            "pipeline": document.pipeline,
-            "format": document.format,
-        },
+    engine_timings = {
+        "queue_ms": round(queue_ms, 1),
+        "pages": len(pages),
+        "ms_per_page": round(inference_ms / len(pages), 1) if pages else 0.0,
+        "pipeline": document.pipeline,
+        "format": document.format,
     }
+    telemetry = switch.telemetry(placement, inference_ms, engine_timings)
     return Done(result={"page_count": document.page_count, "pages": len(pages)}, telemetry=telemetry)
 
 

@@ -65,8 +65,11 @@ def serve_media(
     spec's telemetry (§5); intermediate events (vectors, audio) go to `sink` as they come."""
     switch = moves.ensure_tier1(runtime, runtime.config.context_len)
     placement = moves.tiers.placement(runtime.config.id)
-    switch_ms = round(switch.phases.total_ms, 1) if switch.phases else 0.0
-    sink(Started(previous_tier=str(switch.previous_tier), gpu_layers=placement.gpu_layers, tier_switch_ms=switch_ms))
+    sink(
+        Started(
+            previous_tier=str(switch.previous_tier), gpu_layers=placement.gpu_layers, tier_switch_ms=switch.switch_ms
+        )
+    )
     # The payload's type matches the op (media_work built it from the request).
     ops: dict[str, Callable[[Engine, Any, threading.Event, Any], tuple[dict, dict]]] = {
         "embed": _embed,
@@ -86,14 +89,7 @@ def serve_media(
     inference_ms = (time.perf_counter() - started) * 1000
     if "audio_secs" in timings and timings["audio_secs"] > 0:
         timings["rtf"] = round(inference_ms / 1000 / timings["audio_secs"], 4)
-    telemetry: dict[str, Any] = {
-        "previous_tier": str(switch.previous_tier),
-        "placement": placement.as_dict(),
-        "tier_switch_latency_ms": switch_ms,
-        "inference_latency_ms": round(inference_ms, 1),
-        "evicted_models": switch.evicted,
-        "engine": {"queue_ms": round(queue_ms, 1), **timings},
-    }
+    telemetry = switch.telemetry(placement, inference_ms, {"queue_ms": round(queue_ms, 1), **timings})
     if switch.phases and runtime.config.engine == "ggml_llama":
         telemetry["tier_switch_phases"] = switch.phases.as_dict()
     return Done(result=result, telemetry=telemetry)

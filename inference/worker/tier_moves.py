@@ -39,6 +39,21 @@ class TierSwitch:
     phases: LoadPhases | None = None
     evicted: list[str] = field(default_factory=list)
 
+    @property
+    def switch_ms(self) -> float:
+        return round(self.phases.total_ms, 1) if self.phases else 0.0
+
+    def telemetry(self, placement: Placement, inference_ms: float, engine: dict[str, Any]) -> dict[str, Any]:
+        """hypnos_telemetry (spec §5) of a request this switch served; `engine` its timings."""
+        return {
+            "previous_tier": str(self.previous_tier),
+            "placement": placement.as_dict(),
+            "tier_switch_latency_ms": self.switch_ms,
+            "inference_latency_ms": round(inference_ms, 1),
+            "evicted_models": self.evicted,
+            "engine": engine,
+        }
+
 
 class TierMoves:
     """The worker's part that moves models between the tiers (its engines, loads, evictions)."""

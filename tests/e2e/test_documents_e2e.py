@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,27 @@ def events_of(lines: list[str]) -> list[Any]:
         for line in lines
         if line.startswith("data: ")
     ]
+
+
+@contextmanager
+def streamed(base_url: str, path: Path) -> Iterator[tuple[str, Iterator[str]]]:
+    """A streamed conversion read up to its first page: its request id and the rest of its lines;
+    the connection closes when the block ends."""
+    with (
+        open(path, "rb") as file,
+        httpx.stream(
+            "POST",
+            f"{base_url}{URL}",
+            data={"model": "docling", "stream": "true"},
+            files={"file": (path.name, file, "application/pdf")},
+            timeout=300,
+        ) as response,
+    ):
+        lines = response.iter_lines()
+        for line in lines:
+            if '"document.page"' in line:
+                break
+        yield response.headers["x-request-id"], lines
 
 
 def convert(base_url: str, path: Path, **fields: str) -> httpx.Response:
@@ -115,20 +138,8 @@ def test_the_job_runs_on_the_celery_worker_and_its_state_is_in_the_database(dist
 
 
 def test_a_client_that_leaves_after_the_first_page_stops_the_job(distributed: Server, files):
-    with (
-        open(files["scans"], "rb") as file,
-        httpx.stream(
-            "POST",
-            f"{distributed.base_url}{URL}",
-            data={"model": "docling", "stream": "true"},
-            files={"file": ("scans.pdf", file, "application/pdf")},
-            timeout=300,
-        ) as response,
-    ):
-        request_id = response.headers["x-request-id"]
-        for line in response.iter_lines():
-            if '"document.page"' in line:
-                break
+    with streamed(distributed.base_url, files["scans"]) as (request_id, _lines):
+        pass
     # Counted from outside: the job's row in PostgreSQL.
     deadline = time.monotonic() + 15
     with psycopg.connect(distributed.env["HYPNOS_DATABASE_URL"], autocommit=True) as conn:
@@ -157,21 +168,7 @@ def test_a_job_whose_celery_worker_dies_ends_its_stream_with_an_error(distribute
     distributed.procs.remove(current)
     doomed = start_celery(distributed.env, current.log.parent, name="celery-doomed")
     try:
-        with (
-            open(files["scans"], "rb") as file,
-            httpx.stream(
-                "POST",
-                f"{distributed.base_url}{URL}",
-                data={"model": "docling", "stream": "true"},
-                files={"file": ("scans.pdf", file, "application/pdf")},
-                timeout=300,
-            ) as response,
-        ):
-            request_id = response.headers["x-request-id"]
-            lines = response.iter_lines()
-            for line in lines:
-                if '"document.page"' in line:
-                    break
+        with streamed(distributed.base_url, files["scans"]) as (request_id, lines):
             doomed.popen.send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             rest = events_of(list(lines))

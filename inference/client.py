@@ -28,6 +28,7 @@ import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
@@ -338,12 +339,22 @@ class _ChannelCall(InferenceCall):
         self.layer, self.reply, self.ack_timeout = layer, reply, ack_timeout
         self.worker_channel: str | None = None
         self.expected_seq = 0
+        self._ready: deque[Event] = deque()
 
     async def next_event(self) -> Event:
         """The next event of the request; heartbeats are taken here and never returned. Before
         the worker accepted the request it has `ack_timeout`, then REPLY_DEADLINE_SECS between
-        two messages, to answer; after that the request is a 503."""
+        two messages, to answer; after that the request is a 503. A message carries the events
+        that were ready together; they are handed out one by one."""
         while True:
+            if self._ready:
+                event = self._ready.popleft()
+                if isinstance(event, Accepted):
+                    self.worker_channel = event.worker_channel
+                    continue
+                if isinstance(event, Heartbeat):
+                    continue
+                return event
             accepted = self.worker_channel is not None
             wait = REPLY_DEADLINE_SECS if accepted else self.ack_timeout
             try:
@@ -355,13 +366,7 @@ class _ChannelCall(InferenceCall):
                     f"reply {self.expected_seq} from the inference worker was lost (got {message.get('seq')})"
                 )
             self.expected_seq += 1
-            event = decode_event(message["event"])
-            if isinstance(event, Accepted):
-                self.worker_channel = event.worker_channel
-                continue
-            if isinstance(event, Heartbeat):
-                continue
-            return event
+            self._ready.extend(decode_event(data) for data in message["events"])
 
     async def abort(self) -> None:
         """Tell the worker to stop the request. Never raises: it runs in the `finally` of the

@@ -92,16 +92,18 @@ class ChannelServer:
         reply = message["reply_channel"]
         seq = 0
 
-        async def send(event: Any) -> None:
+        async def send(events: list[Any]) -> None:
+            """One message for the events ready together (a max_tokens 1 call's queued, started,
+            delta and done are usually one), numbered so the web process sees a lost one."""
             nonlocal seq
-            await self.layer.send(reply, {"seq": seq, "event": encode_event(event)})
+            await self.layer.send(reply, {"seq": seq, "events": [encode_event(e) for e in events]})
             seq += 1
 
-        await send(Accepted(worker_channel=self.own_channel))
+        await send([Accepted(worker_channel=self.own_channel)])
         try:
             request = decode_request(message["request"])
         except (KeyError, ValidationError) as exc:
-            await send(Error.of(InvalidRequest(f"malformed worker request: {exc}")))
+            await send([Error.of(InvalidRequest(f"malformed worker request: {exc}"))])
             return
 
         def sink(event: Any) -> None:
@@ -111,40 +113,35 @@ class ChannelServer:
         streaming = False
         while True:
             try:
-                event = await asyncio.wait_for(queue.get(), HEARTBEAT_SECS)
+                first = await asyncio.wait_for(queue.get(), HEARTBEAT_SECS)
             except TimeoutError:
-                await send(Heartbeat())
+                await send([Heartbeat()])
                 continue
-            if isinstance(event, Delta):
-                event, terminal = _merge_deltas(event, queue)
-                if terminal is None and streaming:
-                    # Deltas are flowing: wait a moment for more to share the message. The first
-                    # goes at once (it is the client's time to first token), and so does a delta
-                    # the end already follows.
-                    await asyncio.sleep(DELTA_BATCH_SECS)
-                    event, terminal = _merge_deltas(event, queue)
-                streaming = True
-                await send(event)
-                if terminal is None:
-                    continue
-                event = terminal
-            await send(event)
-            if isinstance(event, TERMINAL):
+            batch = _take_ready(first, queue)
+            if streaming and isinstance(batch[-1], Delta):
+                # Deltas are flowing: wait a moment for more to share the message. The first goes
+                # at once (it is the client's time to first token), and so does one the end follows.
+                await asyncio.sleep(DELTA_BATCH_SECS)
+                batch = _take_ready(batch, queue)
+            streaming = streaming or any(isinstance(e, Delta) for e in batch)
+            await send(batch)
+            if isinstance(batch[-1], TERMINAL):
                 return
 
 
-def _merge_deltas(first: Delta, queue: asyncio.Queue[Any]) -> tuple[Delta, Any]:
-    """Join the deltas already queued behind `first`; return the joined delta and the next
-    non-delta event if one was taken off the queue."""
-    text, logprobs = [first.text], list(first.logprobs or [])
-    nxt = None
-    while not queue.empty():
+def _take_ready(first: Any, queue: asyncio.Queue[Any]) -> list[Any]:
+    """`first` (an event or a batch) with every event already queued behind it, consecutive
+    deltas joined into one, up to and including a terminal event."""
+    batch = list(first) if isinstance(first, list) else [first]
+    while not isinstance(batch[-1], TERMINAL) and not queue.empty():
         event = queue.get_nowait()
-        if not isinstance(event, Delta):
-            nxt = event
-            break
-        text.append(event.text)
-        logprobs += event.logprobs or []
-    if len(text) == 1:
-        return first, nxt
-    return Delta(text="".join(text), logprobs=logprobs or None), nxt
+        if isinstance(event, Delta) and isinstance(batch[-1], Delta):
+            batch[-1] = _joined(batch[-1], event)
+        else:
+            batch.append(event)
+    return batch
+
+
+def _joined(first: Delta, second: Delta) -> Delta:
+    logprobs = (first.logprobs or []) + (second.logprobs or [])
+    return Delta(text=first.text + second.text, logprobs=logprobs or None)

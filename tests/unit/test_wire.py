@@ -130,3 +130,20 @@ async def test_the_client_refuses_bad_control_args_as_a_400():
     with pytest.raises(InvalidRequest) as refused:
         await InferenceClient(Unreachable()).control("move", {"model": "m", "target_tier": "tier9"})  # type: ignore[arg-type]
     assert refused.value.param == "target_tier" and refused.value.status == 400
+
+
+def test_the_worker_sends_the_events_ready_together_as_one_message_deltas_joined():
+    import asyncio
+
+    from inference.worker.channel_server import _take_ready
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for event in (wire.Delta(text="lo"), wire.Delta(text="!"), wire.Done(finish_reason="stop"), wire.Heartbeat()):
+        queue.put_nowait(event)
+    batch = _take_ready(wire.Started(previous_tier="tier1_gpu_vram"), queue)
+    assert batch == [
+        wire.Started(previous_tier="tier1_gpu_vram"),
+        wire.Delta(text="lo!"),
+        wire.Done(finish_reason="stop"),
+    ]
+    assert queue.qsize() == 1  # nothing is taken past the end

@@ -64,9 +64,11 @@ def _written(task: asyncio.Task[Any]) -> None:
 
 
 async def settled() -> None:
-    """Wait for the entries this process is still writing."""
-    if _writing:
-        await asyncio.gather(*list(_writing), return_exceptions=True)
+    """Wait for the entries this process's event loop is still writing."""
+    loop = asyncio.get_running_loop()
+    pending = [task for task in _writing if task.get_loop() is loop]
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 def store_entry(fields: dict[str, Any]) -> RequestLogEntry:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -12,6 +12,7 @@ from django.test import AsyncClient
 from hypnos_site.config import HypnosConfig
 from inference.runtime import runtime
 from inference.worker import Worker
+from logs.store import settled
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -26,8 +27,11 @@ def worker() -> Worker:
 
 
 @pytest.fixture
-def api(worker: Worker, db: None) -> AsyncClient:
-    return AsyncClient()
+async def api(worker: Worker, db: None) -> AsyncIterator[AsyncClient]:
+    yield AsyncClient()
+    # The request log is written after each response: the entries of this test's calls land
+    # before its database is emptied, never in the next test's.
+    await settled()
 
 
 @pytest.fixture

@@ -50,6 +50,7 @@ from inference.protocol import (
     ResponsesRequest,
 )
 from inference.protocol_media import DocumentConvertRequest, EmbeddingRequest, SpeechRequest, TranscriptionRequest
+from logs.store import settled
 from tests.fuzz import strategies as fz
 from tests.integration.conftest import with_limits, with_server
 
@@ -560,6 +561,9 @@ def test_fuzzed_requests_on_every_route_get_the_envelope_a_request_id_and_never_
             api = AsyncClient()
             for route in FUZZED:
                 fuzz_route(route, lambda case: runner.run(send(api, case)), errors, report)
+            # The request log entries written after their responses land before the runner's
+            # loop closes (and before the next test's database).
+            runner.run(settled())
     finally:
         logging.getLogger().removeHandler(errors)
     elapsed = time.monotonic() - started

@@ -176,3 +176,28 @@ def zip_bomb_docx(path: Path, inflated_bytes: int = 256 << 20) -> Path:
             for _ in range(inflated_bytes // len(chunk)):
                 part.write(chunk)
     return path
+
+
+def lying_zip_bomb_docx(path: Path, inflated_bytes: int = 256 << 20) -> Path:
+    """A real DOCX (docx_file) whose document part is replaced by one that inflates to
+    `inflated_bytes`, and whose zip directory lies: it declares that part 2,000 bytes, so the
+    size checks on the directory pass and python-docx goes on to read it."""
+    name = "word/document.xml"
+    real = docx_file(path.with_name("real-" + path.name))
+    with zipfile.ZipFile(real) as source, zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as bomb:
+        for member in source.infolist():
+            if member.filename != name:
+                bomb.writestr(member, source.read(member))
+        with bomb.open(name, "w") as part:
+            part.write(b'<?xml version="1.0" encoding="UTF-8" standalone="yes"?>\n')
+            chunk = b" " * (1 << 20)
+            for _ in range(inflated_bytes // len(chunk)):
+                part.write(chunk)
+    data = bytearray(path.read_bytes())
+    # The part's central directory entry: its name at offset 46, its uncompressed size at 24.
+    entry = data.find(b"PK\x01\x02")
+    while data[entry + 46 : entry + 46 + len(name)] != name.encode():
+        entry = data.find(b"PK\x01\x02", entry + 4)
+    data[entry + 24 : entry + 28] = (2000).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    return path

@@ -210,3 +210,23 @@ def test_it_sniffs_the_format_from_the_bytes_not_the_name(engine: DoclingEngine,
 
 def test_warm_and_cool_hold_the_onnx_files_in_memory(engine: DoclingEngine) -> None:
     assert engine.loaded and engine.warm_bytes == engine.footprint().weights_bytes > 10 << 20
+
+
+def test_a_zip_bomb_whose_directory_lies_is_refused_without_inflating_it(engine: DoclingEngine, tmp_path: Path) -> None:
+    """The directory passes the size checks; a whole-part read would inflate all 256 MiB before
+    zipfile cuts it to the declared 2,000 bytes, so the engine reads every part in small pieces
+    first: the CRC does not match and the document is a 400, the process no bigger."""
+    import resource
+
+    path = documents.lying_zip_bomb_docx(tmp_path / "liar.docx")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(InvalidRequest) as refused:
+        document = engine.open_document(path, path.name, max_pages=100)
+        list(
+            engine.convert_pages(
+                document, [1], ocr=False, want_json=False, want_pictures=False, cancel=threading.Event()
+            )
+        )
+    assert refused.value.param == "file" and "does not match its directory" in refused.value.message
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mib < 64, f"the process grew {grown_mib:.0f} MiB"

@@ -38,6 +38,19 @@ def test_server_vad_ends_the_turn_and_the_transcript_comes_back(server: Server):
     url = server.base_url.replace("http://", "ws://") + "/v1/realtime?intent=transcription&api_key=unused"
     with connect(url) as ws:
         assert json.loads(ws.recv(timeout=10))["type"] == "transcription_session.created"
+        # Piper's pause after "Hello world." varies with its noise (up to ~0.5 s, the default
+        # silence_duration_ms): 800 ms keeps the sentence one turn, and the 1 s after it ends it.
+        ws.send(
+            json.dumps(
+                {
+                    "type": "transcription_session.update",
+                    "session": {"turn_detection": {"type": "server_vad", "silence_duration_ms": 800}},
+                }
+            )
+        )
+        updated = json.loads(ws.recv(timeout=10))
+        assert updated["type"] == "transcription_session.updated"
+        assert updated["session"]["turn_detection"]["silence_duration_ms"] == 800
         audio = bytes(RATE // 2 * 2) + pcm + bytes(RATE * 2)  # 0.5 s silence, speech, 1 s silence
         step = RATE * 2 // 10
         for start in range(0, len(audio), step):

@@ -23,7 +23,7 @@ BROWSER_MIDDLEWARE = (
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
 )
-BROWSER_PATHS = ("/admin/", "/admin", "/static/")
+BROWSER_PATHS = ("/admin/", "/static/")
 
 Handler = Callable[[HttpRequest], Awaitable[HttpResponseBase]]
 

@@ -23,7 +23,6 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from django.conf import settings
@@ -158,14 +157,3 @@ class JobReporter:
         while True:
             await asyncio.sleep(HEARTBEAT_SECS)
             await self.send(Heartbeat())
-
-
-async def feed_events(feed: JobFeed) -> AsyncIterator[Any]:
-    """Every event of the job until its terminal one (included)."""
-    from inference.wire import TERMINAL
-
-    while True:
-        event = await feed.next_event()
-        yield event
-        if isinstance(event, TERMINAL):
-            return

@@ -113,7 +113,8 @@ class DocumentWork(_Work):
     ocr: bool = True
     want_json: bool = False
     picture_dir: str | None = None
-    max_pages: int = 1000
+    # limits.max_document_pages of the web process that took the upload.
+    max_pages: int
 
 
 class EntityWork(_Work):

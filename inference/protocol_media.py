@@ -12,6 +12,8 @@ from inference.protocol import _Wire
 # What /v1/audio/speech answers in; compat.md: all really encoded, anything else is a 400.
 SPEECH_FORMATS = ("wav", "pcm", "mp3", "opus", "aac", "flac")
 TRANSCRIPTION_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+# An entity label is a short phrase ("person", "date of birth").
+MAX_LABEL_CHARS = 100
 
 
 class EmbeddingRequest(_Wire):
@@ -29,6 +31,45 @@ class EmbeddingRequest(_Wire):
             if not text:
                 raise InvalidRequest(f"input[{index}] is an empty string", param="input")
         return texts
+
+
+class EntityRequest(_Wire):
+    """POST /v1/entities (spec §13). `flat` unset: the model's default, flat spans."""
+
+    model: str = Field(min_length=1)
+    input: str | list[str]
+    labels: list[str]
+    threshold: float = Field(default=0.5, ge=0, le=1)
+    flat: bool = True
+
+    def texts(self) -> list[str]:
+        texts = [self.input] if isinstance(self.input, str) else self.input
+        if not texts:
+            raise InvalidRequest("input must hold at least one text", param="input")
+        return texts
+
+    def checked_labels(self, max_labels: int) -> list[str]:
+        """The labels as given, 400 naming `labels` when there are none, too many, an empty or
+        overlong one, a control character, or the same label twice."""
+        if not self.labels:
+            raise InvalidRequest("labels must name at least one entity type", param="labels")
+        if len(self.labels) > max_labels:
+            raise InvalidRequest(
+                f"labels holds {len(self.labels)} labels; at most {max_labels} are allowed (limits.max_entity_labels).",
+                param="labels",
+            )
+        seen: set[str] = set()
+        for index, label in enumerate(self.labels):
+            if not label.strip():
+                raise InvalidRequest(f"labels[{index}] is empty", param="labels")
+            if len(label) > MAX_LABEL_CHARS:
+                raise InvalidRequest(f"labels[{index}] is longer than {MAX_LABEL_CHARS} characters", param="labels")
+            if any(ord(c) < 32 or ord(c) == 127 for c in label):
+                raise InvalidRequest(f"labels[{index}] holds a control character", param="labels")
+            if label in seen:
+                raise InvalidRequest(f"labels[{index}] repeats the label {label!r}", param="labels")
+            seen.add(label)
+        return list(self.labels)
 
 
 class SpeechRequest(_Wire):

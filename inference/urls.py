@@ -22,5 +22,6 @@ urlpatterns = [
     path("audio/transcriptions", views.AudioTranscriptionsView.as_view()),
     path("audio/speech", views.AudioSpeechView.as_view()),
     path("documents/convert", views.DocumentConvertView.as_view()),
+    path("entities", views.EntitiesView.as_view()),
     re_path(r"^.*$", views.UnknownRouteView.as_view()),
 ]

@@ -24,7 +24,7 @@ from inference.protocol import (
     ResponsesRequest,
     parse_body,
 )
-from inference.protocol_media import EmbeddingRequest, SpeechRequest
+from inference.protocol_media import EmbeddingRequest, EntityRequest, SpeechRequest
 from inference.runtime import get_client
 from inference.serving import (
     advisor,
@@ -33,6 +33,7 @@ from inference.serving import (
     completions,
     documents,
     embeddings,
+    entities,
     lemonade,
     models,
     pool,
@@ -164,6 +165,12 @@ class EmbeddingsView(APIView):
     async def post(self, request: Request) -> object:
         body = parse_body(EmbeddingRequest, request.data)
         return await embeddings.create_embeddings(get_client(), body, RequestContext.of(request._request))
+
+
+class EntitiesView(APIView):
+    async def post(self, request: Request) -> object:
+        body = parse_body(EntityRequest, request.data)
+        return await entities.extract_entities(get_client(), body, RequestContext.of(request._request))
 
 
 class _AnyAccept:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from hypnos_site.errors import HypnosError, ServerError
+from inference.entities import Span
 
 if TYPE_CHECKING:
     from inference.engines.base import ChatWork
@@ -118,8 +119,13 @@ class DocumentWork(_Work):
 
 
 class EntityWork(_Work):
+    """Zero-shot entity extraction (spec §13): the texts, the labels, and how spans are kept."""
+
     kind: Literal["entities"] = "entities"
-    options: dict[str, Any] = {}
+    input: list[str]
+    labels: list[str]
+    threshold: float = 0.5
+    flat: bool = True
 
 
 Work = Annotated[
@@ -358,6 +364,16 @@ class PageReady:
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
+class EntitiesFound:
+    """The spans of one input text (`index`), in order; a text with very many spans comes in
+    several events of the same index."""
+
+    kind: Literal["entities"] = "entities"
+    index: int
+    spans: list[Span]
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -440,6 +456,7 @@ EngineEvent = Annotated[
     | DocumentOpened
     | DocumentPage
     | PageReady
+    | EntitiesFound
     | Done
     | Result
     | Error,

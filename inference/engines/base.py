@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hypnos_site.config import LimitsConfig, ModelConfig
+from inference.entities import Span
 from memory.kv_park import ParkedState
 from memory.planner import Footprint
 
@@ -265,6 +266,15 @@ class Engine(ABC):
         """One phrase -> mono float32 samples in [-1, 1] and their sample rate."""
         raise NotImplementedError(f"{type(self).__name__} does not serve text-to-speech")
 
+    def extract(
+        self, texts: list[str], labels: list[str], threshold: float, flat: bool, cancel: threading.Event
+    ) -> list[list[Span]]:
+        """Zero-shot entities (spec §13): for each text, its spans of the given labels scoring at
+        least `threshold`, flat or nested (inference.entities.select_spans), offsets in the
+        text's characters. More labels than a family and texts longer than a window are the
+        engine's to split and merge."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve entity extraction")
+
 
 def drop_page_cache(path: Path) -> None:
     """Ask the kernel to forget the file's cached pages (clean, unmapped pages go at once)."""
@@ -315,6 +325,8 @@ ENGINE_CLASSES = {
     "onnx_runtime": "inference.engines.speech.OnnxSpeechEngine",
     # Document conversion: docling's model-free backends plus PP-OCRv4 on onnxruntime.
     "docling": "inference.engines.document.DoclingEngine",
+    # Zero-shot entities: GLiNER's ONNX exports on onnxruntime with `tokenizers` (no torch).
+    "gliner": "inference.engines.gliner.GlinerEngine",
 }
 
 

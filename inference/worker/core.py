@@ -35,6 +35,7 @@ from inference.wire import (
     DocumentWork,
     Done,
     EngineRequest,
+    EntityWork,
     Error,
     GenerateWork,
     Queued,
@@ -44,6 +45,7 @@ from inference.wire import (
     Usage,
 )
 from inference.worker.documents import check_document_model, serve_document
+from inference.worker.entities import check_entity_model, serve_entities
 from inference.worker.media import MEDIA_OPS, MediaWork, media_work, serve_media
 from inference.worker.pool import POOL_OPS, PoolChanges, PoolChanging, resubmit_after_change
 from inference.worker.runtime import Event, Lease, ModelRuntime, ModelTable, Sink
@@ -58,9 +60,6 @@ log = logging.getLogger(__name__)
 
 # How often a request waiting for a slot looks at its cancel flag.
 SLOT_POLL_SECS = 0.05
-MIN_CONTEXT = 2048
-# The context estimate's budget for one image (spec §7.1).
-IMAGE_CONTEXT_TOKENS = 576
 CONTROL_OPS = ("status", "memory_status", "move", "set_limits", "kv_park", "enable", "disable", "moe_offload", "fault")
 # `fault` (a real native crash in a running request's thread, for the supervisor's tests)
 # exists only when the worker runs with this set to 1.
@@ -74,15 +73,6 @@ def _changes_placement(op: str, payload: dict[str, Any]) -> bool:
     if op == "kv_park":
         return payload.get("enabled") is not None or payload.get("max_bytes") is not None
     return op in ("enable", "disable", "moe_offload")
-
-
-def needed_context(work: ChatWork) -> int:
-    """The request's num_ctx, else an estimate from the prompt and max_tokens with a floor of
-    2048 (spec §7.1); about three characters make a token."""
-    if work.num_ctx:
-        return work.num_ctx
-    chars = sum(len(str(m.get("content") or "")) for m in work.messages) + len(work.raw_prompt or "")
-    return max(MIN_CONTEXT, chars // 3 + IMAGE_CONTEXT_TOKENS * len(work.images) + work.max_tokens)
 
 
 def hardware_limits(config: HypnosConfig) -> HardwareLimits:
@@ -235,11 +225,14 @@ class Worker:
             if not self.ready:
                 raise ModelNotAvailable(STILL_STAGING)
             runtime = self.resolve(request.model)
-            work: ChatWork | MediaWork | DocumentWork
+            work: ChatWork | MediaWork | DocumentWork | EntityWork
             if request.work.kind in MEDIA_OPS:
                 work = media_work(runtime.config, request.work)  # type: ignore[arg-type]
             elif isinstance(request.work, DocumentWork):
                 check_document_model(runtime.config)
+                work = request.work
+            elif isinstance(request.work, EntityWork):
+                check_entity_model(runtime.config)
                 work = request.work
             else:
                 if not isinstance(request.work, GenerateWork) or runtime.config.modality not in (
@@ -406,7 +399,7 @@ class Worker:
         self,
         runtime: ModelRuntime,
         request_id: str,
-        work: ChatWork | MediaWork | DocumentWork,
+        work: ChatWork | MediaWork | DocumentWork | EntityWork,
         cancel: threading.Event,
         sink: Sink,
     ) -> None:
@@ -428,6 +421,8 @@ class Worker:
                 final = serve_media(self.moves, runtime, engine, work, cancel, sink, queue_ms)
             elif isinstance(work, DocumentWork):
                 final = serve_document(self.moves, runtime, engine, work, cancel, sink, queue_ms)  # type: ignore[arg-type]
+            elif isinstance(work, EntityWork):
+                final = serve_entities(self.moves, runtime, engine, work, lease, sink, queue_ms)
             else:
                 final = self._serve_chat(runtime, engine, work, lease, sink, queue_ms)
             runtime.note_service((time.perf_counter() - arrived) * 1000 - queue_ms)
@@ -456,20 +451,7 @@ class Worker:
     ) -> Event:
         """Run the chat, streaming deltas into `sink`; the terminal `done` event is returned."""
         cancel = lease.cancel
-        switch = self.moves.ensure_tier1(runtime, needed_context(work))
-        # Rendered, tokenised and its grammar built before `started`: a refusal (a schema the
-        # grammar limits refuse, a prompt beyond the context) is a 4xx before a stream's first byte.
-        work = engine.prepare_chat(work, self.config.limits)
-        # No prepared tokens reads as an empty list: it fits nothing, as before.
-        tokens = (work.prepared.tokens if work.prepared is not None else None) or []
-        fits_model = bool(tokens) and len(tokens) < (engine.trained_context_len or len(tokens) + 1)
-        if fits_model and not work.num_ctx and len(tokens) + work.max_tokens > engine.context_len:
-            # The estimate from characters fell short: grow the context to the counted tokens.
-            grown = self.moves.ensure_tier1(runtime, len(tokens) + work.max_tokens)
-            if grown.phases is not None:
-                switch.phases = grown.phases if switch.phases is None else switch.phases.plus(grown.phases)
-                switch.evicted += grown.evicted
-        engine.check_context(work)
+        work, switch = self.moves.prepare_chat(runtime, engine, work)
         sink(Started(previous_tier=str(switch.previous_tier)))
         sent = False
 

@@ -20,7 +20,7 @@ from hypnos_site.errors import (
     ProcessMemoryCap,
     UnprocessableEntity,
 )
-from inference.engines.base import Engine, LoadPhases, engine_class
+from inference.engines.base import ChatWork, Engine, LoadPhases, engine_class
 from inference.worker.runtime import ModelRuntime, ModelTable
 from memory.kv_park import KvParking
 from memory.manager import Eviction, NoRoom, TierManager
@@ -28,6 +28,9 @@ from memory.planner import MOE_OFFLOAD_MODES
 from memory.tiers import MemoryTier, Placement
 
 log = logging.getLogger(__name__)
+MIN_CONTEXT = 2048
+# The context estimate's budget for one image (spec §7.1).
+IMAGE_CONTEXT_TOKENS = 576
 NO_ROOM_ERRORS = {"insufficient_vram_or_ram": InsufficientMemory, "process_memory_cap": ProcessMemoryCap}
 
 
@@ -43,6 +46,12 @@ class TierSwitch:
     def switch_ms(self) -> float:
         return round(self.phases.total_ms, 1) if self.phases else 0.0
 
+    def absorb(self, later: TierSwitch) -> None:
+        """Count a later switch of the same request (a context grown for its prompt) in this one."""
+        if later.phases is not None:
+            self.phases = later.phases if self.phases is None else self.phases.plus(later.phases)
+        self.evicted += later.evicted
+
     def telemetry(self, placement: Placement, inference_ms: float, engine: dict[str, Any]) -> dict[str, Any]:
         """hypnos_telemetry (spec §5) of a request this switch served; `engine` its timings."""
         return {
@@ -53,6 +62,15 @@ class TierSwitch:
             "evicted_models": self.evicted,
             "engine": engine,
         }
+
+
+def needed_context(work: ChatWork) -> int:
+    """The request's num_ctx, else an estimate from the prompt and max_tokens with a floor of
+    2048 (spec §7.1); about three characters make a token."""
+    if work.num_ctx:
+        return work.num_ctx
+    chars = sum(len(str(m.get("content") or "")) for m in work.messages) + len(work.raw_prompt or "")
+    return max(MIN_CONTEXT, chars // 3 + IMAGE_CONTEXT_TOKENS * len(work.images) + work.max_tokens)
 
 
 class TierMoves:
@@ -103,6 +121,21 @@ class TierMoves:
         self.tiers.register(runtime.config.id, runtime.config.priority, engine.footprint(), runtime.config.moe_offload)
         runtime.engine = engine
         return engine
+
+    def prepare_chat(self, runtime: ModelRuntime, engine: Engine, work: ChatWork) -> tuple[ChatWork, TierSwitch]:
+        """The (leased) model in tier 1 with room for the chat, and the chat prepared (rendered,
+        tokenised, its grammar built): every refusal (a schema the grammar limits refuse, a
+        prompt beyond the context) comes from here, before the request reports `started`."""
+        switch = self.ensure_tier1(runtime, needed_context(work))
+        work = engine.prepare_chat(work, self.config.limits)
+        # No prepared tokens reads as an empty list: it fits nothing, as before.
+        tokens = (work.prepared.tokens if work.prepared is not None else None) or []
+        fits_model = bool(tokens) and len(tokens) < (engine.trained_context_len or len(tokens) + 1)
+        if fits_model and not work.num_ctx and len(tokens) + work.max_tokens > engine.context_len:
+            # The estimate from characters fell short: grow the context to the counted tokens.
+            switch.absorb(self.ensure_tier1(runtime, len(tokens) + work.max_tokens))
+        engine.check_context(work)
+        return work, switch
 
     def ensure_tier1(self, runtime: ModelRuntime, context_len: int) -> TierSwitch:
         """Bring the (leased) model to tier 1 with at least `context_len` tokens of context (a

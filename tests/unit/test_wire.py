@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from hypnos_site.errors import ContextLengthExceeded, DeadlineUnmeetable, ServerError
 from inference import wire
+from inference.entities import Span
 from inference.worker.core import CONTROL_OPS
 from inference.worker.pool import POOL_OPS
 
@@ -41,6 +42,7 @@ EVENTS = [
     wire.PageReady(
         page={"page": 2, "markdown": "x", "pictures": 1, "picture_urls": ["/v1/documents/doc-1/pictures/1"]}
     ),
+    wire.EntitiesFound(index=1, spans=[Span(start=0, end=11, label="person", score=0.97)]),
     wire.Result(result={"models": []}),
     wire.Error.of(ContextLengthExceeded("too long", param="messages")),
 ]
@@ -61,7 +63,7 @@ def test_it_carries_a_request_per_modality_through_msgpack_unchanged():
         wire.SpeechWork(input="Hello.", voice="alloy"),
         wire.ImageWork(),
         wire.DocumentWork(path="/spool/a.pdf", filename="a.pdf", pages="2-3", picture_dir="/spool/pics", max_pages=500),
-        wire.EntityWork(),
+        wire.EntityWork(input=["Mario Rossi works in Milan."], labels=["person", "city"], threshold=0.4, flat=False),
     ]
     for work in works:
         request = wire.EngineRequest(request_id="req-1", model="m", work=work, deadline_ms=100.0)

@@ -422,7 +422,7 @@ class Worker:
             elif isinstance(work, DocumentWork):
                 final = serve_document(self.moves, runtime, engine, work, cancel, sink, queue_ms)  # type: ignore[arg-type]
             elif isinstance(work, EntityWork):
-                final = serve_entities(self.moves, runtime, engine, work, lease, sink, queue_ms)
+                final = serve_entities(self.moves, runtime, engine, work, lease, sink, queue_ms, self.config.limits)
             else:
                 final = self._serve_chat(runtime, engine, work, lease, sink, queue_ms)
             runtime.note_service((time.perf_counter() - arrived) * 1000 - queue_ms)
@@ -451,7 +451,7 @@ class Worker:
     ) -> Event:
         """Run the chat, streaming deltas into `sink`; the terminal `done` event is returned."""
         cancel = lease.cancel
-        work, switch = self.moves.prepare_chat(runtime, engine, work)
+        work, switch = self.moves.prepare_chat(runtime, engine, work, self.config.limits)
         sink(Started(previous_tier=str(switch.previous_tier)))
         sent = False
 

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hypnos_site.config import ModelConfig
+from hypnos_site.config import LimitsConfig, ModelConfig
 from hypnos_site.errors import InvalidRequest
 from inference.engines.base import ChatWork
 from inference.entities import Span, select_spans
@@ -53,7 +53,14 @@ def check_entity_model(config: ModelConfig) -> None:
 
 
 def serve_entities(
-    moves: TierMoves, runtime: ModelRuntime, engine: Engine, work: EntityWork, lease: Lease, sink: Any, queue_ms: float
+    moves: TierMoves,
+    runtime: ModelRuntime,
+    engine: Engine,
+    work: EntityWork,
+    lease: Lease,
+    sink: Any,
+    queue_ms: float,
+    limits: LimitsConfig,
 ) -> Done:
     """Bring the model to tier 1, extract, send each text's spans as an `entities` event, and
     return the terminal `done` with the spec's telemetry (§5)."""
@@ -66,7 +73,7 @@ def serve_entities(
         timings: dict[str, Any] = {}
         usage = None
     else:
-        extractor = ChatExtractor(moves, runtime, engine, work, lease.cancel)
+        extractor = ChatExtractor(moves, runtime, engine, work, lease.cancel, limits)
         switch = extractor.prepare()
         sink(Started(previous_tier=str(switch.previous_tier)))
         started = time.perf_counter()
@@ -160,9 +167,16 @@ class ChatExtractor:
     """Entity extraction on a chat engine, one greedy answer per text."""
 
     def __init__(
-        self, moves: TierMoves, runtime: ModelRuntime, engine: Engine, work: EntityWork, cancel: threading.Event
+        self,
+        moves: TierMoves,
+        runtime: ModelRuntime,
+        engine: Engine,
+        work: EntityWork,
+        cancel: threading.Event,
+        limits: LimitsConfig,
     ):
         self.moves, self.runtime, self.engine, self.work, self.cancel = moves, runtime, engine, work, cancel
+        self.limits = limits
         self.schema = entity_schema(work.labels)
         # None for a blank text: nothing to ask the model.
         self.prepared: list[ChatWork | None] = []
@@ -185,7 +199,7 @@ class ChatExtractor:
                 prompt_param="input",
                 schema_param="labels",
             )
-            prepared, moved = self.moves.prepare_chat(self.runtime, self.engine, chat)
+            prepared, moved = self.moves.prepare_chat(self.runtime, self.engine, chat, self.limits)
             if switch is None:
                 switch = moved
             else:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hypnos_site.config import HypnosConfig
+from hypnos_site.config import HypnosConfig, LimitsConfig
 from hypnos_site.errors import (
     InsufficientMemory,
     ModelBusy,
@@ -122,12 +122,14 @@ class TierMoves:
         runtime.engine = engine
         return engine
 
-    def prepare_chat(self, runtime: ModelRuntime, engine: Engine, work: ChatWork) -> tuple[ChatWork, TierSwitch]:
+    def prepare_chat(
+        self, runtime: ModelRuntime, engine: Engine, work: ChatWork, limits: LimitsConfig
+    ) -> tuple[ChatWork, TierSwitch]:
         """The (leased) model in tier 1 with room for the chat, and the chat prepared (rendered,
         tokenised, its grammar built): every refusal (a schema the grammar limits refuse, a
         prompt beyond the context) comes from here, before the request reports `started`."""
         switch = self.ensure_tier1(runtime, needed_context(work))
-        work = engine.prepare_chat(work, self.config.limits)
+        work = engine.prepare_chat(work, limits)
         # No prepared tokens reads as an empty list: it fits nothing, as before.
         tokens = (work.prepared.tokens if work.prepared is not None else None) or []
         fits_model = bool(tokens) and len(tokens) < (engine.trained_context_len or len(tokens) + 1)

@@ -181,6 +181,10 @@ def _block_lines(entry: CatalogEntry, variant: CatalogVariant, weights: CatalogF
         lines.append(f'sha256 = "{variant.sha256}"')
     if variant.tool_router:
         lines.append("tool_router = true")
+    served = [m for m in entry.additional_modalities if m == "entity_extraction" and entry.engine == "ggml_llama"]
+    if served:
+        # A chat model that extracts entities (/v1/entities through a JSON-schema grammar).
+        lines.append(f"additional_modalities = {json.dumps(served)}")
     if weights.package_path:
         lines.append(f'package_path = "{weights.package_path}"')
     if entry.aliases:

@@ -94,6 +94,7 @@ engine = "ggml_llama"
 weights_path = "{tool_model}"
 context_len = 4096
 tool_router = true
+additional_modalities = ["entity_extraction"]
 initial_tier = "tier3_nvme_ssd"
 
 [[models]]

@@ -6,11 +6,16 @@ the entity's text."""
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 # GLiNER's prompt holds at most this many labels well; more run in families of this size.
 LABELS_PER_FAMILY = 8
+# The most candidates an extractor keeps per word of a text (the best first): a flat answer has
+# at most one span per word, and a threshold of 0 would otherwise make every span of every
+# width and label a candidate.
+CANDIDATES_PER_WORD = 4
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -44,14 +49,41 @@ def select_spans(candidates: Iterable[Span], flat: bool) -> list[Span]:
     then the longer span). Flat keeps no two spans that share a character; nested also keeps a
     span wholly inside or around one already kept, never a partial overlap, and never the same
     characters under two labels. The same span found twice (windows, families) counts once, at
-    its best score. Sorted by start, then end."""
+    its best score. Sorted by start, then end.
+
+    Kept spans are indexed by the characters they cover, so each candidate is checked against
+    only the kept spans it touches: the cost grows with the candidates' lengths, not with the
+    product of candidates and kept spans."""
     best: dict[tuple[int, int, str], Span] = {}
     for span in candidates:
         key = (span.start, span.end, span.label)
         if key not in best or span.score > best[key].score:
             best[key] = span
+    covering: dict[int, list[Span]] = {}
     kept: list[Span] = []
-    for span in sorted(best.values(), key=lambda s: (-s.score, s.start, -(s.end - s.start), s.label)):
-        if all(not span.overlaps(other) or (not flat and span.nests_with(other)) for other in kept):
+    for span in sorted(best.values(), key=rank):
+        positions = range(span.start, span.end)
+        if flat:
+            free = not any(position in covering for position in positions)
+        else:
+            touched = {id(other): other for position in positions for other in covering.get(position, ())}
+            free = all(span.nests_with(other) for other in touched.values())
+        if free:
             kept.append(span)
+            for position in positions:
+                covering.setdefault(position, []).append(span)
     return sorted(kept, key=lambda s: (s.start, s.end, s.label))
+
+
+def rank(span: Span) -> tuple[float, int, int, str]:
+    """The order candidates are chosen in: the highest score first, then the earlier, then the
+    longer span, then by label."""
+    return (-span.score, span.start, span.start - span.end, span.label)
+
+
+def best_candidates(candidates: list[Span], limit: int) -> list[Span]:
+    """At most `limit` candidates, the first in `rank` order: what an extractor keeps of a text's
+    candidates, so a request with a threshold near 0 holds memory in proportion to its text."""
+    if len(candidates) <= limit:
+        return candidates
+    return heapq.nsmallest(limit, candidates, key=rank)

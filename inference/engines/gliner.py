@@ -38,7 +38,7 @@ from tokenizers import Tokenizer
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import Cancelled, ModelNotAvailable
 from inference.engines.base import Engine, LoadPhases
-from inference.entities import Span, label_families, select_spans
+from inference.entities import CANDIDATES_PER_WORD, Span, best_candidates, label_families, select_spans
 from memory.planner import Footprint, footprint_from_files
 
 # Estimated from the activations of a base-size export (768 wide, DeBERTa-v3's disentangled
@@ -118,13 +118,21 @@ def plan_windows(token_counts: Sequence[int], budget: int, max_words: int, min_o
     return windows
 
 
-def owning_window(windows: Sequence[tuple[int, int]], n_words: int, start: int, end: int) -> int:
+def owning_window(windows: Sequence[tuple[int, int]], n_words: int, start: int, end: int, near: int = 0) -> int:
     """The window whose score a span of words [start, end] (inclusive) keeps: of the windows
     that hold it whole, the one where it has the most words of context on its narrower side (a
     side at the text's own edge is unlimited), the first of equals. A span at a window's cut
-    edge is then scored where the model sees what follows it."""
+    edge is then scored where the model sees what follows it. `near` is a window that holds the
+    span: the windows start in order, so only its neighbours can hold it too."""
+    low = near
+    while low > 0 and windows[low - 1][1] > end:
+        low -= 1
+    high = near
+    while high + 1 < len(windows) and windows[high + 1][0] <= start:
+        high += 1
     best, best_margin = -1, -1
-    for index, (first, stop) in enumerate(windows):
+    for index in range(low, high + 1):
+        first, stop = windows[index]
         if first <= start and end < stop:
             before = start - first if first > 0 else n_words
             after = stop - 1 - end if stop < n_words else n_words
@@ -328,7 +336,8 @@ class GlinerEngine(Engine):
                 if cancel.is_set():
                     raise Cancelled("the request was cancelled")
                 self._score(windows[at : at + BATCH_WINDOWS], prompt, family, threshold, prepared, found)
-        return [select_spans(spans, flat) for spans in found]
+        limits = [CANDIDATES_PER_WORD * max(len(text.words), 1) for text in prepared]
+        return [select_spans(best_candidates(spans, limit), flat) for spans, limit in zip(found, limits, strict=True)]
 
     def _prepare(self, text: str) -> _Text:
         assert self._tokenizer is not None
@@ -371,10 +380,16 @@ class GlinerEngine(Engine):
             text = texts[window.text]
             for first, last, label, score in decode(logits[row], lengths[row], threshold):
                 start, end = window.first + first, window.first + last
-                if owning_window(text.windows, len(text.words), start, end) != window.index:
+                if owning_window(text.windows, len(text.words), start, end, window.index) != window.index:
                     continue
                 span = Span(start=text.offsets[start][0], end=text.offsets[end][1], label=family[label], score=score)
                 found[window.text].append(span)
+        for index in {w.text for w in batch}:
+            # The best candidates only, so memory stays in proportion to the text (threshold 0
+            # makes every span a candidate); pruned at twice the limit, to prune rarely.
+            limit = CANDIDATES_PER_WORD * max(len(texts[index].words), 1)
+            if len(found[index]) > 2 * limit:
+                found[index] = best_candidates(found[index], limit)
 
     def _inputs(self, ids: list[list[int]], masks: list[list[int]], lengths: list[int]) -> dict[str, np.ndarray]:
         """The batch's tensors, padded to its longest window (GLiNER's collator's layout)."""

@@ -34,6 +34,8 @@ ADMIN_KEY = "sk-fuzz-admin"
 USER_KEY = "sk-fuzz-user"
 VICTIM = "fuzz-victim"  # a copy of SmolLM2 the pool-changing routes may disable, replace or delete
 CHAT, EMBED, STT, TTS, DOCLING = "smollm2-135m", "all-minilm-l6-v2", "whisper-tiny.en", "piper-joe", "docling"
+# A GLiNER-shaped graph with known scores (tests/gliner_graph.py), built for the fuzz run.
+ENTITIES = "fuzz-gliner"
 SERVED = (CHAT, EMBED, STT, TTS, DOCLING, VICTIM)
 ALIASES = ("gpt-4o-mini", "text-embedding-3-small", "whisper-1", "tts-1")
 
@@ -484,6 +486,15 @@ responses_items = st.lists(
     max_size=3,
 )
 
+# Sentences the fuzz entity model scores (tests/gliner_graph.py), one with emoji before it.
+ENTITY_TEXTS = (
+    "Mario Rossi works in Milan for Ferrari.",
+    "Tim Cook announced the iPhone 17 in Cupertino.",
+    "\U0001f389 Anna opened an account at the Bank of Milan.",
+    "",
+)
+ENTITY_LABELS = ("person", "city", "company", "product", "date", "country", "sport", "organisation", "person ")
+
 # Field values that keep a valid body cheap to serve (tiny token counts, short texts, served
 # models); every other field is drawn from its annotation and constraints.
 FIELD_OVERRIDES: dict[str, st.SearchStrategy[Any]] = {
@@ -517,6 +528,15 @@ MODEL_FIELD_OVERRIDES: dict[str, st.SearchStrategy[Any]] = {
     "SpeechRequest.input": WORDS,
     "EmbeddingRequest.input": st.one_of(WORDS, st.lists(WORDS, max_size=3), st.just(""), st.just([])),
     "DocumentConvertRequest.model": st.sampled_from([DOCLING] * 8 + [CHAT, EMBED, "nope", ""]),
+    "EntityRequest.model": st.sampled_from([ENTITIES] * 8 + [CHAT, EMBED, "nope", ""]),
+    "EntityRequest.input": st.one_of(
+        st.sampled_from(ENTITY_TEXTS), st.lists(st.sampled_from(ENTITY_TEXTS), max_size=4), SHORT_TEXT
+    ),
+    "EntityRequest.labels": st.one_of(
+        st.lists(st.sampled_from(ENTITY_LABELS), max_size=12),
+        st.lists(SHORT_TEXT, max_size=3),
+        st.just(["x" * 101]),
+    ),
     "DocumentConvertRequest.filename": document_names,
     "DocumentConvertRequest.pages": document_pages,
     "DocumentConvertRequest.describe_pictures": describe_models,

@@ -29,6 +29,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,7 +39,7 @@ from hypothesis import HealthCheck, Phase, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from hypnos_site.config import HypnosConfig, KeyConfig
+from hypnos_site.config import HypnosConfig, KeyConfig, ModelConfig
 from inference.protocol import (
     AdvisorRequest,
     ChatCompletionRequest,
@@ -49,9 +50,16 @@ from inference.protocol import (
     MoeOffloadRequest,
     ResponsesRequest,
 )
-from inference.protocol_media import DocumentConvertRequest, EmbeddingRequest, SpeechRequest, TranscriptionRequest
+from inference.protocol_media import (
+    DocumentConvertRequest,
+    EmbeddingRequest,
+    EntityRequest,
+    SpeechRequest,
+    TranscriptionRequest,
+)
 from logs.store import settled
 from tests.fuzz import strategies as fz
+from tests.gliner_graph import build_gliner_model
 from tests.integration.conftest import with_limits, with_server
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -199,6 +207,7 @@ V1_ROUTES = [
     Route("audio/transcriptions", ("POST",), transcription_json, weight=6),
     Route("audio/speech", ("POST",), fz.wire_body(SpeechRequest), weight=6),
     Route("documents/convert", ("POST",), document_json, weight=6),
+    Route("entities", ("POST",), fz.wire_body(EntityRequest), weight=6),
     # After the conversions, whose picture-store documents they then find (fz.SEEN_DOCUMENTS).
     Route("documents/<document_id:document_id>/pictures", ("GET", "HEAD"), path=pictures_paths, weight=2),
     Route("documents/<document_id:document_id>/pictures/<int:index>", ("GET", "HEAD"), path=picture_paths, weight=3),
@@ -485,10 +494,12 @@ class Report:
         return "\n".join(lines)
 
 
-def fuzz_config(settings_: Any) -> HypnosConfig:
+def fuzz_config(settings_: Any, gliner_folder: Path) -> HypnosConfig:
     """The suite's config with what keeps the run cheap: tiny answers, short prompts, small
     uploads and documents of a few pages, the media, chat and document models plus a victim copy
-    of SmolLM2, and API keys (an admin and a plain one) so the authentication paths are fuzzed too."""
+    of SmolLM2, a GLiNER-shaped entity model built by tests/gliner_graph.py in `gliner_folder`
+    (plumbing, cheap to run), and API keys (an admin and a plain one) so the authentication
+    paths are fuzzed too."""
     with_limits(
         settings_,
         max_tokens_cap=2,
@@ -503,7 +514,13 @@ def fuzz_config(settings_: Any) -> HypnosConfig:
     served = [m for m in config.models if m.id in fz.SERVED]
     chat = next(m for m in served if m.id == fz.CHAT)
     victim = chat.model_copy(update={"id": fz.VICTIM, "aliases": [], "initial_tier": "tier3_nvme_ssd"})
-    settings_.HYPNOS = config.model_copy(update={"models": [*served, victim]})
+    entities = ModelConfig(
+        id=fz.ENTITIES,
+        modality="entity_extraction",
+        engine="gliner",
+        weights_path=str(build_gliner_model(gliner_folder)),
+    )
+    settings_.HYPNOS = config.model_copy(update={"models": [*served, victim, entities]})
     return settings_.HYPNOS
 
 
@@ -550,8 +567,8 @@ def test_every_route_of_the_url_table_has_a_fuzz_strategy():
     assert url_table_patterns() == {r.pattern for r in ROUTES}
 
 
-def test_fuzzed_requests_on_every_route_get_the_envelope_a_request_id_and_never_a_5xx(settings, serve):
-    serve(fuzz_config(settings))
+def test_fuzzed_requests_on_every_route_get_the_envelope_a_request_id_and_never_a_5xx(settings, serve, tmp_path):
+    serve(fuzz_config(settings, tmp_path / "gliner"))
     report = Report()
     started = time.monotonic()
     errors = ErrorRecords()

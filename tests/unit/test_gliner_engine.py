@@ -473,3 +473,40 @@ def test_a_tokenizer_without_the_prompt_tokens_is_not_available(tmp_path):
     folder = build_gliner_model(tmp_path / "model", config={"ent_token": "[ENT]"})
     with pytest.raises(ModelNotAvailable, match=r"\[ENT\]"):
         make_engine(folder).load(512, 0)
+
+
+# -- what a hostile request costs ------------------------------------------------------------
+
+
+def test_a_threshold_of_zero_keeps_memory_in_proportion_to_the_text(loaded: dict[str, GlinerEngine]):
+    """threshold 0 makes every span of every width and label a candidate (here 960 words x 12
+    widths x 12 labels, 138,240 of them); the engine keeps at most CANDIDATES_PER_WORD per word
+    of the best, so its peak stays that of a few thousand spans."""
+    import tracemalloc
+
+    from inference.entities import CANDIDATES_PER_WORD
+
+    text = " ".join([MARIO] * 120)
+    labels = [*LABELS, *DISTRACTORS]
+    tracemalloc.start()
+    try:
+        nested = extract(loaded["span"], [text], labels, threshold=0.0, flat=False)[0]
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    words = len(split_words(text))
+    assert len(nested) <= CANDIDATES_PER_WORD * words
+    # 138,240 spans would take over 25 MB as objects; the bounded candidates a few MB.
+    assert peak < 20 << 20, peak
+    flat = extract(loaded["span"], [text], labels, threshold=0.0, flat=True)[0]
+    assert all(a.end <= b.start for a, b in zip(flat, flat[1:], strict=False))
+
+
+def test_the_best_candidates_are_kept_in_the_order_selection_takes_them():
+    from inference.entities import best_candidates
+
+    spans = [Span(start=i, end=i + 1, label="x", score=(i % 7) / 7) for i in range(100)]
+    kept = best_candidates(spans, 10)
+    assert len(kept) == 10
+    assert min(s.score for s in kept) >= max(s.score for s in spans if s not in kept)
+    assert best_candidates(spans[:5], 10) == spans[:5]

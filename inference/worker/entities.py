@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from hypnos_site.config import LimitsConfig, ModelConfig
 from hypnos_site.errors import InvalidRequest
 from inference.engines.base import ChatWork
-from inference.entities import Span, select_spans
+from inference.entities import CANDIDATES_PER_WORD, Span, best_candidates, select_spans
 from inference.wire import Done, EntitiesFound, EntityWork, Started, Usage
 
 if TYPE_CHECKING:
@@ -217,16 +217,24 @@ class ChatExtractor:
             return []
         answer = self._answer(chat)
         text = self.work.input[index]
-        candidates: list[Span] = []
+        # The same entity written twice counts once, at its best score; each is looked for once.
+        scores: dict[tuple[str, str], float] = {}
         for entity in answer_entities(answer.text, set(self.work.labels)):
             score = answer.score(entity.text_at, entity.label_at)
-            if score < self.work.threshold:
-                continue
+            key = (entity.text.strip(), entity.label)
+            if score >= self.work.threshold and score > scores.get(key, -1.0):
+                scores[key] = score
+        # Memory in proportion to the text, whatever the answer repeats (a short entity can
+        # stand thousands of times in a long text).
+        limit = CANDIDATES_PER_WORD * max(len(text.split()), 1)
+        candidates: list[Span] = []
+        for (value, label), score in scores.items():
             candidates += [
-                Span(start=s, end=e, label=entity.label, score=round(score, 4))
-                for s, e in find_mentions(text, entity.text)
+                Span(start=s, end=e, label=label, score=round(score, 4)) for s, e in find_mentions(text, value)
             ]
-        return select_spans(candidates, self.work.flat)
+            if len(candidates) > 2 * limit:
+                candidates = best_candidates(candidates, limit)
+        return select_spans(best_candidates(candidates, limit), self.work.flat)
 
     def _answer(self, chat: ChatWork) -> _Answer:
         pieces: list[str] = []

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 
+from inference.engines.base import ChatWork
 from inference.entities import Span, label_families, select_spans
-from inference.worker.entities import _Answer, answer_entities, entity_schema, find_mentions
+from inference.wire import EntityWork
+from inference.worker.entities import ChatExtractor, _Answer, answer_entities, entity_schema, find_mentions
 
 
 def span(start: int, end: int, label: str, score: float) -> Span:
@@ -122,3 +124,35 @@ def test_the_schema_asks_for_entities_whose_label_is_an_enum_of_the_labels():
     assert item["properties"]["label"] == {"enum": ["person", "date of birth"]}
     assert item["required"] == ["text", "label"]
     assert schema["additionalProperties"] is False and item["additionalProperties"] is False
+
+
+class _Written(ChatExtractor):
+    """The chat extractor's reading of one answer, the answer given (what the model would write
+    is not the point here: how much the server does with it is)."""
+
+    def __init__(self, text: str, answer_text: str, threshold: float = 0.5):
+        self.work = EntityWork(input=[text], labels=["letter"], threshold=threshold)
+        self.prepared = [ChatWork(messages=[], max_tokens=1)]
+        self._written = _Answer(answer_text, [(0, len(answer_text.encode()), 0.9)])
+
+    def _answer(self, chat: ChatWork) -> _Answer:
+        return self._written
+
+
+def test_an_answer_repeating_a_short_entity_costs_in_proportion_to_the_text():
+    # 20,000 mentions of "a" in the text, and an answer naming "a" 300 times and many longer runs:
+    # every mention of every run would be millions of candidates; the extractor keeps the best
+    # CANDIDATES_PER_WORD per word, and each distinct entity is looked for once.
+    text = " ".join(["a"] * 20_000)
+    runs = [" ".join(["a"] * n) for n in range(1, 40)]
+    written = answer(*[("a", "letter")] * 300, *[(run, "letter") for run in runs])
+    spans = _Written(text, written).extract(0)
+    # Equal scores: the longest runs win, side by side, none overlapping.
+    assert 0 < len(spans) <= 20_000
+    assert all(text[s.start : s.end] in runs for s in spans)
+    assert all(a.end <= b.start for a, b in zip(spans, spans[1:], strict=False))
+
+
+def test_an_entity_below_the_threshold_is_dropped():
+    assert _Written("Milan", answer(("Milan", "letter")), threshold=0.95).extract(0) == []
+    assert [s.score for s in _Written("Milan", answer(("Milan", "letter"))).extract(0)] == [0.9]

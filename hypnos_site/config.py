@@ -30,7 +30,7 @@ Modality = Literal[
     "document_conversion",
     "entity_extraction",
 ]
-EngineKind = Literal["ggml_llama", "ggml_whisper", "ggml_diffusion", "onnx_runtime", "docling", "gliner"]
+EngineKind = Literal["ggml_llama", "ggml_whisper", "ggml_diffusion", "onnx_runtime", "docling", "gliner", "ncnn"]
 Priority = Literal["low", "normal", "high", "realtime_pinned"]
 
 
@@ -227,6 +227,23 @@ class SamplingDefaults(_Strict):
     repeat_penalty: float | None = Field(default=None, ge=1, le=2)
 
 
+class ImageConfig(_Strict):
+    """A model's [models.image]: what an image request that leaves a field out gets, and what
+    the model can do (spec §11)."""
+
+    steps: int = Field(default=20, ge=1, le=100)
+    cfg_scale: float = Field(default=3.0, ge=0, le=30)
+    # stable-diffusion.cpp's sampler and scheduler names (euler_a, euler, dpm++2m...; discrete, karras...).
+    sampler: str | None = None
+    scheduler: str | None = None
+    # Edits and variations from reference images (img2img), and their default strength.
+    edit: bool = False
+    strength: float = Field(default=0.75, gt=0, le=1)
+    # Aux files beyond aux_path (a VAE there), relative to models_dir: text encoders by role
+    # (clip_l, clip_g, t5xxl, llm), as stable-diffusion.cpp names them.
+    text_encoders: dict[str, str] = {}
+
+
 class ModelConfig(_Strict):
     id: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
     modality: Modality
@@ -271,6 +288,8 @@ class ModelConfig(_Strict):
     # What a chat model serves beyond chat: "entity_extraction" makes it a zero-shot entity
     # extractor for /v1/entities (a JSON-schema grammar over the labels; spec §13).
     additional_modalities: list[Literal["entity_extraction"]] = []
+    # Image models (spec §11): defaults and abilities; unset: the defaults of ImageConfig.
+    image: ImageConfig | None = None
 
     @model_validator(mode="after")
     def _projector_fits(self) -> ModelConfig:

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -97,6 +98,26 @@ class PreparedPrompt:
     tokens: list[int] | None
     # The engine's own plan (template output, grammar, tool handling).
     plan: Any = None
+
+
+@dataclass
+class ImageSpec:
+    """One image as an engine makes it; the worker has checked and clamped every field (size,
+    steps, cfg_scale) against the model's [models.image] and the limits."""
+
+    prompt: str
+    negative_prompt: str = ""
+    width: int = 512
+    height: int = 512
+    # None: the model's own default ([models.image], else the engine's).
+    steps: int | None = None
+    cfg_scale: float | None = None
+    # This image's own seed: the request's seed plus the image's index (spec §11).
+    seed: int = 0
+    # Edits and variations (img2img): the reference images as RGB uint8 arrays [H, W, 3], and
+    # how far the result may move from them (0: the reference, 1: a fresh image).
+    references: list[Any] = field(default_factory=list)
+    strength: float = 0.75
 
 
 class DeltaSink(Protocol):
@@ -234,7 +255,9 @@ class Engine(ABC):
         return 0
 
     def capabilities(self) -> set[str]:
-        """What the model can do beyond its modality: `tools`, `thinking`."""
+        """What the model can do beyond its modality: `tools`, `thinking`; for image models
+        `edit` (img2img from references), `upscale`, `ignores_prompt` (an unconditional
+        generator, seeded by the prompt)."""
         return set()
 
     def prepare_chat(self, work: ChatWork, limits: LimitsConfig) -> ChatWork:
@@ -265,6 +288,28 @@ class Engine(ABC):
     def synthesize(self, text: str, voice: str, speed: float) -> tuple[Any, int]:
         """One phrase -> mono float32 samples in [-1, 1] and their sample rate."""
         raise NotImplementedError(f"{type(self).__name__} does not serve text-to-speech")
+
+    # Images (inference/worker/images.py drives them): RGB uint8 arrays [H, W, 3] in and out.
+
+    def image_size(self) -> tuple[int, int] | None:
+        """A generator that makes one size only: its (width, height); None when any size goes."""
+        return None
+
+    def generate_image(
+        self, spec: ImageSpec, cancel: threading.Event, on_step: Callable[[int, int], None] | None = None
+    ) -> Any:
+        """One image for `spec` (from its references when it has any), RGB uint8 [H, W, 3];
+        `on_step(step, steps)` after each sampling step. The same spec gives the same pixels."""
+        raise NotImplementedError(f"{type(self).__name__} does not generate images")
+
+    def upscale_factors(self) -> list[int]:
+        """The factors `upscale_image` takes (empty: not an upscaler)."""
+        return []
+
+    def upscale_image(self, image: Any, factor: int, cancel: threading.Event) -> Any:
+        """`image` (RGB uint8 [H, W, 3]) enlarged `factor` times, tile by tile, so memory stays
+        bounded for a large image."""
+        raise NotImplementedError(f"{type(self).__name__} does not upscale images")
 
     def extract(
         self, texts: list[str], labels: list[str], threshold: float, flat: bool, cancel: threading.Event
@@ -327,6 +372,11 @@ ENGINE_CLASSES = {
     "docling": "inference.engines.document.DoclingEngine",
     # Zero-shot entities: GLiNER's ONNX exports on onnxruntime with `tokenizers` (no torch).
     "gliner": "inference.engines.gliner.GlinerEngine",
+    # Images: stable-diffusion.cpp (SD 1.x/2.x/XL, SD3, FLUX), an ONNX generator (the DCGAN
+    # face model of the CPU lineup), Real-ESRGAN upscalers on ncnn.
+    "ggml_diffusion": "inference.engines.diffusion.DiffusionEngine",
+    "onnx_runtime:image_generation": "inference.engines.image_onnx.OnnxImageEngine",
+    "ncnn": "inference.engines.upscale.NcnnUpscaleEngine",
 }
 
 

@@ -115,15 +115,21 @@ def variant_footprint(
 ) -> Footprint:
     """What the variant needs in memory: a GGUF on disk is read (plus its other files), else
     the catalog's estimate stands in; engines without a GGUF hold their files plus a workspace.
-    Raises LookupError when a GGUF variant is neither on disk nor estimated."""
+    A file the catalog lists no size for counts its size on disk; until it is there, weights
+    count the estimate's params at the quant's bits per weight and any other file (a tokenizer,
+    a config: small beside the weights) counts nothing. Raises LookupError when the weights can
+    be neither measured nor estimated."""
     files = [f for f in variant.files if f.platform in ("all", machine_platform)]
     weights = next(f for f in files if f.role == "weights")
-    beside = sum(f.size for f in files if f is not weights)
+    beside = sum(f.known_size(models_dir) or 0 for f in files if f is not weights)
     estimate = variant.estimate or CatalogEstimate()
+    weights_size = weights.known_size(models_dir)
+    if weights_size is None:
+        weights_size = _estimated_weights_bytes(entry, variant)
     if entry.engine != "ggml_llama":
         return Footprint(
             layer_bytes=(),
-            other_bytes=weights.size + beside,
+            other_bytes=weights_size + beside,
             kv_bytes_per_token=0,
             workspace_bytes=estimate.workspace_bytes,
         )
@@ -145,16 +151,27 @@ def variant_footprint(
     if not estimate.num_layers:
         raise LookupError(f"{entry.id}:{variant.quant}: the weights are not on disk and the catalog gives no estimate")
     n = estimate.num_layers
-    per_layer = max(weights.size - estimate.other_bytes, 0) // n
+    per_layer = max(weights_size - estimate.other_bytes, 0) // n
     experts = (estimate.expert_bytes // n,) * n if estimate.expert_bytes else ()
     return Footprint(
         layer_bytes=(per_layer,) * n,
-        other_bytes=weights.size - per_layer * n + beside,
+        other_bytes=weights_size - per_layer * n + beside,
         kv_bytes_per_token=estimate.kv_bytes_per_token,
         workspace_bytes=estimate.workspace_bytes,
         trained_context_len=estimate.trained_context_len,
         layer_expert_bytes=experts,
     )
+
+
+def _estimated_weights_bytes(entry: CatalogEntry, variant: CatalogVariant) -> int:
+    params = variant.estimate.params if variant.estimate else None
+    bits = bits_per_weight(variant.quant)
+    if params is None or bits is None:
+        raise LookupError(
+            f"{entry.id}:{variant.quant}: the weights are not on disk, the catalog lists no size for them, "
+            "and its estimate gives no params of a known quantization"
+        )
+    return round(params * bits / 8)
 
 
 def bits_per_weight(quant: str) -> float | None:

@@ -36,7 +36,8 @@ class CatalogFile(_Strict):
     gated: bool = False
     local: str
     entry: str | None = None
-    size: int = Field(ge=0)
+    # Listed only when known to the byte: a guessed size would make every download fail its check.
+    size: int | None = Field(default=None, ge=0)
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     platform: Literal["all", "macos-arm64", "other"] = "all"
 
@@ -57,6 +58,11 @@ class CatalogFile(_Strict):
         """From a Hugging Face repository (not a package, not a base URL)."""
         return self.repo is not None and "://" not in self.repo
 
+    def known_size(self, models_dir: Path) -> int | None:
+        """The listed size, else the size on disk under `models_dir`; None when neither is known."""
+        path = models_dir / self.local
+        return self.size if self.size is not None or not path.exists() else disk_size(path)
+
     def url(self, hub: str) -> str:
         """Where a repo file is downloaded from; `hub` is the Hugging Face endpoint."""
         assert self.repo is not None and self.remote is not None, f"{self.local} comes from a package"
@@ -68,7 +74,9 @@ class CatalogFile(_Strict):
 class CatalogEstimate(_Strict):
     """What the advisor plans a variant with while its weights are not on disk (spec §6: the
     catalog's estimate values stand in for what the GGUF reports; a GGUF on disk is read
-    instead). Engines without a GGUF need only `workspace_bytes`: they hold their files plus it."""
+    instead). Engines without a GGUF need only `workspace_bytes`: they hold their files plus it.
+    A weights file the catalog lists no size for counts `params` at the quantization's bits per
+    weight until it is on disk."""
 
     # Unset: estimated from the weights file and the quantization.
     params: int | None = Field(default=None, ge=1)
@@ -201,9 +209,24 @@ def _block_lines(entry: CatalogEntry, variant: CatalogVariant, weights: CatalogF
 
 def _file_state(config: HypnosConfig, file: CatalogFile) -> dict[str, Any]:
     path = config.models_dir / file.local
-    present = path.is_file() or (path.is_dir() and any(path.iterdir()))
-    shown = file.model_dump(exclude_none=True, exclude=None if file.gated else {"gated"})
-    return {**shown, "present": present, "outdated": present and disk_size(path) != file.size}
+    present = is_present(path)
+    dumped = file.model_dump(exclude=None if file.gated else {"gated"})
+    # `size` stays in the answer as null when unknown, so every file has the same keys.
+    shown = {key: value for key, value in dumped.items() if value is not None or key == "size"}
+    # Without a listed size there is nothing to call a present file outdated against.
+    outdated = present and file.size is not None and disk_size(path) != file.size
+    return {**shown, "present": present, "outdated": outdated}
+
+
+def is_present(path: Path) -> bool:
+    """On disk: a file, or a folder that is not empty."""
+    return path.is_file() or (path.is_dir() and any(path.iterdir()))
+
+
+def variant_size(variant: CatalogVariant) -> int | None:
+    """The bytes of the variant's files; None when the catalog does not know one file's size."""
+    sizes = [f.size for f in variant.files]
+    return None if None in sizes else sum(s for s in sizes if s is not None)
 
 
 def disk_size(path: Path) -> int:
@@ -241,7 +264,7 @@ def describe(config: HypnosConfig, catalog: Catalog, modality: str | None = None
             variants.append(
                 {
                     **variant.model_dump(exclude={"files", "sha256", "tool_router", "estimate"}),
-                    "size_bytes": sum(f.size for f in variant.files),
+                    "size_bytes": variant_size(variant),
                     "files": files,
                     "installed": all(f["present"] for f in files),
                     "outdated": any(f["outdated"] for f in files),

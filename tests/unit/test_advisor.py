@@ -74,7 +74,45 @@ def test_a_machine_too_small_for_any_chat_model_gets_no_lineup(no_files):
 
 def test_needs_that_no_catalog_model_serves_alone_get_no_lineup(no_files):
     with pytest.raises(NoLineup, match="No catalog model serves any of the needs"):
-        recommend(CATALOG, ["documents", "entities"], GPU_24G, no_files)
+        recommend(CATALOG, ["documents", "images"], GPU_24G, no_files)
+
+
+@pytest.mark.parametrize("machine", [GPU_24G, LAPTOP], ids=["24g-gpu", "laptop-no-gpu"])
+def test_entities_go_to_the_lineups_chat_model_rather_than_a_gliner_download(no_files, machine):
+    # Qwen2.5-Coder extracts entities (additional_modalities) and outweighs GLiNER, whose files a
+    # CPU box is not likely to have: one model serves both needs.
+    advice = recommend(CATALOG, ["chat", "entities"], machine, no_files)
+    assert advice.as_dict()["specs"] == ["qwen2.5-coder-1.5b:Q4_K_M"]
+    assert by_id(advice)["qwen2.5-coder-1.5b"]["serves"] == ["chat", "entities"]
+    assert advice.warnings == []
+    [model] = config_of(advice).models
+    assert model.additional_modalities == ["entity_extraction"]
+    alone = recommend(CATALOG, ["entities"], machine, no_files)
+    assert alone.as_dict()["specs"] == ["qwen2.5-coder-1.5b:Q4_K_M"]
+
+
+def test_without_a_chat_model_entities_go_to_gliner_planned_from_its_estimate(no_files):
+    gliner_only = CATALOG.model_copy(update={"models": [e for e in CATALOG.models if e.engine == "gliner"]})
+    advice = recommend(gliner_only, ["entities"], LAPTOP, no_files)
+    # The catalog lists no file sizes: 289M params at 8 bits, plus the engine's 512 MiB workspace.
+    # int8 and fp32 score alike (the same params); int8 leaves more of tier 1 free.
+    [model] = advice.as_dict()["models"]
+    assert (model["id"], model["quant"], model["serves"]) == ("gliner-multi-v2.1", "int8", ["entities"])
+    assert model["weights_bytes"] == 289_000_000 and model["resident_bytes"] == 289_000_000 + 512 * MIB
+    [block] = config_of(advice).models
+    assert (block.engine, block.weights_path) == ("gliner", "gliner_multi-v2.1/onnx/model_int8.onnx")
+
+
+def test_files_without_a_catalog_size_count_their_size_on_disk(tmp_path):
+    gliner_only = CATALOG.model_copy(update={"models": [e for e in CATALOG.models if e.id == "gliner-small-v2.1"]})
+    folder = tmp_path / "gliner_small-v2.1"
+    (folder / "onnx").mkdir(parents=True)
+    (folder / "onnx" / "model_int8.onnx").write_bytes(b"g" * 3000)
+    (folder / "tokenizer.json").write_bytes(b"t" * 200)
+    advice = recommend(gliner_only, ["entities"], LAPTOP, tmp_path)
+    models = advice.as_dict()["models"]
+    # The int8 graph's 3,000 bytes and the tokenizer's 200; the config, not on disk, counts nothing.
+    assert [(m["quant"], m["weights_bytes"]) for m in models] == [("int8", 3200)]
 
 
 @pytest.mark.parametrize(
@@ -215,6 +253,17 @@ def test_a_chat_model_that_only_partly_fits_is_split_and_scored_down(no_files):
     assert advice.as_dict()["models"][0]["id"] == "mid"
 
 
+def test_weights_of_unknown_size_without_params_are_left_out_with_a_warning(no_files):
+    unsized = entry("unsized", "text_generation", 1, 0, layers=4)
+    unsized["variants"][0]["estimate"].pop("params")
+    del unsized["variants"][0]["files"][0]["size"]
+    advice = recommend(catalog(unsized, chat("sized", 1_000_000_000, 500)), ["chat"], GPU_2G, no_files)
+    assert advice.as_dict()["specs"] == ["sized:Q8_0"]
+    assert any(
+        w.startswith("unsized:Q8_0: the weights are not on disk, the catalog lists no size") for w in advice.warnings
+    )
+
+
 def test_bits_per_weight_come_from_llama_cpp_and_plain_names():
     assert bits_per_weight("Q8_0") == 8.5 and bits_per_weight("Q4_1") == 5.0
     assert bits_per_weight("Q4_K_M") == 4.89 and bits_per_weight("fp16") == 16
@@ -240,3 +289,14 @@ def test_the_catalog_block_runs_a_media_model_as_the_default_lineup_does(model_i
     default = next(m for m in DEFAULT_MODELS if m.id == model_id)
     keys = ("modality", "engine", "weights_path", "package", "package_path", "aliases")
     assert {k: getattr(built, k) for k in keys} == {k: getattr(default, k) for k in keys}
+
+
+@pytest.mark.parametrize("model_id", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def test_the_catalog_block_of_a_qwen_model_extracts_entities_as_the_default_lineup_does(model_id):
+    entry_ = next(e for e in CATALOG.models if e.id == model_id)
+    [block] = tomllib.loads(config_block(entry_, entry_.variants[0]))["models"]
+    built = ModelConfig.model_validate(block)
+    default = next(m for m in DEFAULT_MODELS if m.id == model_id)
+    keys = ("modality", "additional_modalities", "engine", "weights_path", "package", "package_parts", "sha256")
+    assert {k: getattr(built, k) for k in keys} == {k: getattr(default, k) for k in keys}
+    assert built.additional_modalities == ["entity_extraction"]

@@ -25,7 +25,7 @@ def tiny_gguf(path: Path, architecture: str) -> int:
     return len(data)
 
 
-def catalog_of(architecture: str, size: int) -> Catalog:
+def catalog_of(architecture: str, size: int | None) -> Catalog:
     return Catalog.model_validate(
         {
             "catalog_version": 1,
@@ -68,6 +68,14 @@ def test_weights_of_another_architecture_are_a_problem(tmp_path):
     assert variant["installed"] is True and variant["problem"] == "m.gguf reports the architecture 'qwen2', not 'llama'"
     [variant] = describe(config, catalog_of("qwen2", size))["data"][0]["variants"]
     assert "problem" not in variant
+
+
+def test_weights_without_a_listed_size_are_installed_and_checked_all_the_same(tmp_path):
+    tiny_gguf(tmp_path / "m.gguf", "qwen2")
+    config = HypnosConfig(server=ServerConfig(models_dir=str(tmp_path)), models=[])
+    [variant] = describe(config, catalog_of("llama", None))["data"][0]["variants"]
+    assert (variant["installed"], variant["outdated"], variant["size_bytes"]) == (True, False, None)
+    assert variant["problem"] == "m.gguf reports the architecture 'qwen2', not 'llama'"
 
 
 def test_weights_not_yet_downloaded_are_no_problem(tmp_path):

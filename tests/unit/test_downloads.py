@@ -120,3 +120,40 @@ def test_the_catalog_lists_gated_only_for_a_gated_file(tmp_path):
         "present": False,
         "outdated": False,
     }
+
+
+def test_a_file_without_a_catalog_size_is_there_when_present_and_unknown_when_not(tmp_path):
+    entry = an_entry(hub_file(size=None), hub_file(local="here.onnx", size=None))
+    (tmp_path / "m.gguf.part").write_bytes(b"x" * 30)
+    (tmp_path / "here.onnx").write_bytes(b"x" * 7)
+    planned = plan(entry, entry.variants[0], tmp_path)
+    # Nothing to call the present file outdated against; the other's bytes are not known yet.
+    assert [(p.file.local, p.missing, p.there) for p in planned] == [("m.gguf", None, False), ("here.onnx", 0, True)]
+
+
+def test_a_file_without_a_catalog_size_counts_what_the_server_announces_less_its_part(tmp_path):
+    entry = an_entry(hub_file(size=None), hub_file(local="other.gguf", size=None), hub_file(local="known.gguf"))
+    (tmp_path / "m.gguf.part").write_bytes(b"x" * 30)
+    planned = plan(entry, entry.variants[0], tmp_path)
+    needs = downloads.space_needed(planned, tmp_path, {tmp_path / "m.gguf": 1000})
+    assert needs == [(tmp_path, 970), (tmp_path, 100)]
+
+
+def test_the_disk_space_message_names_the_files_it_could_not_count(tmp_path):
+    with pytest.raises(
+        DownloadError, match=r"\(600 > 500 bytes\); not counted, no size known before the download: m:1b"
+    ):
+        check_disk_space([(tmp_path, 600)], free_bytes=lambda path: 500, uncounted=["m:1b:Q4_0 m.onnx"])
+
+
+def test_the_catalog_shows_an_unknown_size_as_null_and_never_outdated(tmp_path):
+    entry = an_entry(hub_file(size=None), hub_file(local="sized.gguf"))
+    (tmp_path / "m.gguf").write_bytes(b"x" * 7)
+    catalog = Catalog(catalog_version=1, tested_architectures=["llama"], models=[entry])
+    config = HypnosConfig(server=ServerConfig(models_dir=str(tmp_path)))
+    [variant] = describe(config, catalog)["data"][0]["variants"]
+    assert variant["size_bytes"] is None and variant["outdated"] is False and variant["installed"] is False
+    unsized, sized = variant["files"]
+    assert unsized["size"] is None and unsized["present"] is True and unsized["outdated"] is False
+    assert sized["size"] == 100 and sized["present"] is False
+    assert set(unsized) == set(sized)

@@ -79,6 +79,7 @@ MS_BUCKETS = (
     300000.0,
 )
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+SECONDS_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 
 
 WEB_FAMILIES: dict[str, Family] = {
@@ -117,6 +118,12 @@ WEB_FAMILIES: dict[str, Family] = {
         "histogram", "Document conversion time per page, ms.", ("model",), MS_BUCKETS
     ),
     "hypnos_document_pages": Family("counter", "Document pages converted.", ("model",)),
+    "hypnos_image_jct_s": Family(
+        "histogram",
+        "Image job completion time (generations, edits, variations, upscales), s.",
+        ("model",),
+        SECONDS_BUCKETS,
+    ),
 }
 
 

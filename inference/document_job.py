@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from hypnos_site.errors import Cancelled, HypnosError, ServerError
 from inference.client import InferenceClient, new_request_id
-from inference.jobs import CANCEL_POLL_SECS, JobReporter
+from inference.jobs import JobReporter, watched
 from inference.markdown_join import join_pages
 from inference.protocol import IMAGE_MARKER
 from inference.wire import (
@@ -84,7 +84,7 @@ async def run_job(job_id: str, client: InferenceClient, layer: Any) -> dict[str,
             raise Cancelled("the client left before the job started")
         await _set(job, state="running", started_at=timezone.now())
         conversion = _Conversion(job, spec, client, reporter, picture_dir)
-        document = await _watched(job_id, conversion.run(), reporter)
+        document = await watched(DocumentJob, job_id, conversion.run(), reporter)
         # The row is final before the client hears the end.
         await _set(job, state="done", pages_done=len(conversion.pages), finished_at=timezone.now())
         await reporter.send(Done(result=document, telemetry=document["hypnos_telemetry"]))
@@ -113,25 +113,6 @@ async def run_job(job_id: str, client: InferenceClient, layer: Any) -> dict[str,
         Path(spec.path).unlink(missing_ok=True)
         if picture_dir is not None:
             shutil.rmtree(picture_dir, ignore_errors=True)
-
-
-async def _watched(job_id: str, work: Any, reporter: JobReporter) -> Any:
-    """Run `work` with a heartbeat to the waiting request, stopped (CancelledError) as soon as
-    the job's cancel flag is set."""
-    task = asyncio.ensure_future(work)
-    beat = asyncio.ensure_future(reporter.heartbeats())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=CANCEL_POLL_SECS)
-            if done:
-                return task.result()
-            if await DocumentJob.objects.filter(pk=job_id, cancel_requested=True).aexists():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise Cancelled("the client left")
-    finally:
-        beat.cancel()
-        task.cancel()
 
 
 class _Conversion:

@@ -23,12 +23,16 @@ import asyncio
 import logging
 import threading
 import uuid
+from collections.abc import AsyncGenerator
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.utils import timezone
 
-from hypnos_site.errors import HypnosError, JobLost, ServerError
-from inference.wire import Error, Heartbeat, decode_event, encode_event
+from hypnos_site.errors import Cancelled, HypnosError, JobLost, ModelNotAvailable, ServerError
+from inference.wire import Done, Error, Heartbeat, decode_event, encode_event
+from logs.record import CallRecord
 
 log = logging.getLogger(__name__)
 
@@ -157,3 +161,99 @@ class JobReporter:
         while True:
             await asyncio.sleep(HEARTBEAT_SECS)
             await self.send(Heartbeat())
+
+
+# -- a job's life, shared by every kind of job (documents, images) ------------------------------
+# `rows` is the job's Django model (logs.models.DocumentJob, ImageJob): id, state,
+# cancel_requested, error, started_at and finished_at are what these helpers touch.
+
+
+async def dispatch(task: Any, job_id: str) -> None:
+    """Hand the job to Celery: to the broker (distributed), or eagerly on a thread of this
+    process (embedded: no broker)."""
+    if settings.CELERY_TASK_ALWAYS_EAGER:
+        thread = threading.Thread(
+            target=task.apply,
+            kwargs={"args": (job_id,), "task_id": job_id},
+            name=f"hypnos-{job_id}",
+            daemon=True,
+        )
+        thread.start()
+        return
+    try:
+        await asyncio.to_thread(task.apply_async, args=(job_id,), task_id=job_id)
+    except Exception as exc:  # the broker is unreachable
+        raise ModelNotAvailable(f"The job broker is unreachable: {type(exc).__name__}: {exc}") from exc
+
+
+async def cancel(rows: Any, job_id: str) -> None:
+    """The client left or the request failed: the job stops at its next unit of work (a queued
+    one never starts). Runs to its end even when the caller is cancelled."""
+
+    def cancel_now() -> None:
+        rows.objects.filter(pk=job_id, state__in=("queued", "running")).update(cancel_requested=True)
+        if not settings.CELERY_TASK_ALWAYS_EAGER:
+            from hypnos_site.celery import app
+
+            app.control.revoke(job_id)
+
+    async def cancelling() -> None:
+        # Not thread-sensitive: when the client left, this outlives the request and its thread.
+        await sync_to_async(cancel_now, thread_sensitive=False)()
+
+    try:
+        await asyncio.shield(cancelling())
+    except Exception:  # the broker or the database is gone: the job runs on to its end
+        log.exception("job %s: the cancellation did not get through", job_id)
+
+
+async def mark_lost(rows: Any, job_id: str, message: str) -> None:
+    """A job that went silent cannot say so itself: its row says it failed, for the operator."""
+    await rows.objects.filter(pk=job_id, state__in=("queued", "running")).aupdate(
+        state="failed", error=message, finished_at=timezone.now()
+    )
+
+
+async def job_events(feed: JobFeed, rows: Any, job_id: str, record: CallRecord) -> AsyncGenerator[Any, None]:
+    """The job's events up to its Done (its telemetry noted in the record); leaving early
+    cancels the job, and a job gone silent is marked failed."""
+    finished = False
+    try:
+        while True:
+            event = await feed.next_event()
+            if isinstance(event, Done):
+                finished = True
+                record.note_telemetry(event.telemetry)
+                yield event
+                return
+            yield event
+    except JobLost as exc:
+        record.note_error(exc.message, exc.type)
+        await mark_lost(rows, job_id, exc.message)
+        raise
+    except HypnosError as exc:
+        record.note_error(exc.message, exc.type)
+        raise
+    finally:
+        if not finished:
+            await cancel(rows, job_id)
+        feed.close()
+
+
+async def watched(rows: Any, job_id: str, work: Any, reporter: JobReporter) -> Any:
+    """The task's side: run `work` with a heartbeat to the waiting request, stopped
+    (CancelledError) as soon as the job's cancel flag is set."""
+    task = asyncio.ensure_future(work)
+    beat = asyncio.ensure_future(reporter.heartbeats())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=CANCEL_POLL_SECS)
+            if done:
+                return task.result()
+            if await rows.objects.filter(pk=job_id, cancel_requested=True).aexists():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise Cancelled("the client left")
+    finally:
+        beat.cancel()
+        task.cancel()

@@ -72,6 +72,45 @@ class EntityRequest(_Wire):
         return list(self.labels)
 
 
+# data[].seed is the request's seed plus the image's index: both fit stable-diffusion.cpp's int64.
+MAX_SEED = 2**62
+
+
+class ImageGenerationRequest(_Wire):
+    """POST /v1/images/generations (spec §11); also the fields of edits and variations once
+    their form is read. `quality`, `style` and `user` are ignored (unknown fields are)."""
+
+    model: str = Field(min_length=1)
+    prompt: str = Field(min_length=1)
+    negative_prompt: str | None = None
+    n: int = Field(default=1, ge=1)
+    # WIDTHxHEIGHT, or "auto" / unset for the model's default.
+    size: str | None = None
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    steps: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    cfg_scale: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+
+    def dimensions(self) -> tuple[int, int] | None:
+        """(width, height) as asked, None for the model's default; 400 naming `size` otherwise."""
+        if self.size is None or self.size == "auto":
+            return None
+        width, x, height = self.size.lower().partition("x")
+        if not x or not (width.isdigit() and height.isdigit()) or len(width) > 6 or len(height) > 6:
+            raise InvalidRequest(f"size must be WIDTHxHEIGHT (e.g. 1024x1024), not {self.size!r}.", param="size")
+        if int(width) < 1 or int(height) < 1:
+            raise InvalidRequest(f"size {self.size!r} has a side of 0 pixels.", param="size")
+        return int(width), int(height)
+
+
+class ImageUpscaleRequest(_Wire):
+    """POST /v1/images/upscale (compat.md, Lemonade's route): a base64 PNG (or a data: URI)."""
+
+    model: str = Field(min_length=1)
+    image: str = Field(min_length=1)
+    upscale_factor: int | None = Field(default=None, ge=1)
+
+
 class SpeechRequest(_Wire):
     model: str = Field(min_length=1)
     input: str = Field(min_length=1)

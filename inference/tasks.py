@@ -1,25 +1,38 @@
 """The Celery tasks (hypnos_site/celery.py finds them here): thin wrappers that run a job's
-coroutine (inference/document_job.py) to its end on an event loop of their own."""
+coroutine (inference/document_job.py, inference/image_job.py) to its end on an event loop of
+their own."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from celery import shared_task
 from django.conf import settings
+
+JobRunner = Callable[[str, Any, Any], Awaitable[dict[str, Any] | None]]
 
 
 @shared_task(name="hypnos.convert_document", ignore_result=False)
 def convert_document(job_id: str) -> dict[str, Any] | None:
     """Convert the document of DocumentJob `job_id`; its result is the document with its pages
     (None when the job failed or was cancelled: its row says why)."""
-    return asyncio.run(_convert(job_id))
-
-
-async def _convert(job_id: str) -> dict[str, Any] | None:
     from inference.document_job import run_job
 
+    return asyncio.run(_run(run_job, job_id))
+
+
+@shared_task(name="hypnos.make_images", ignore_result=False)
+def make_images(job_id: str) -> dict[str, Any] | None:
+    """Make the images of ImageJob `job_id`; its result is their seeds (None when the job
+    failed or was cancelled: its row says why)."""
+    from inference.image_job import run_job
+
+    return asyncio.run(_run(run_job, job_id))
+
+
+async def _run(run_job: JobRunner, job_id: str) -> dict[str, Any] | None:
     if settings.HYPNOS.server.deployment != "distributed":
         from inference.jobs import local_channels
         from inference.runtime import get_client

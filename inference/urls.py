@@ -23,5 +23,9 @@ urlpatterns = [
     path("audio/speech", views.AudioSpeechView.as_view()),
     path("documents/convert", views.DocumentConvertView.as_view()),
     path("entities", views.EntitiesView.as_view()),
+    path("images/generations", views.ImagesView.as_view()),
+    path("images/edits", views.ImageFormView.as_view(op="edit")),
+    path("images/variations", views.ImageFormView.as_view(op="variation")),
+    path("images/upscale", views.ImageUpscaleView.as_view()),
     re_path(r"^.*$", views.UnknownRouteView.as_view()),
 ]

@@ -7,6 +7,7 @@ import time
 from adrf.views import APIView
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, JsonResponse
+from rest_framework.parsers import BaseParser
 from rest_framework.request import Request
 
 from hypnos_site import __version__
@@ -34,6 +35,7 @@ from inference.serving import (
     documents,
     embeddings,
     entities,
+    images,
     lemonade,
     models,
     pool,
@@ -165,6 +167,32 @@ class EmbeddingsView(APIView):
     async def post(self, request: Request) -> object:
         body = parse_body(EmbeddingRequest, request.data)
         return await embeddings.create_embeddings(get_client(), body, RequestContext.of(request._request))
+
+
+class ImagesView(APIView):
+    """generations (JSON); edits and variations (multipart, what the OpenAI SDKs send)."""
+
+    op = "generate"
+    parser_classes: list[type[BaseParser]] = [JSONParser]
+
+    async def post(self, request: Request) -> object:
+        owner = getattr(request.auth, "label", None)
+        return await images.create_images(
+            get_client(), request.data, RequestContext.of(request._request), owner, self.op
+        )
+
+
+class ImageFormView(ImagesView):
+    # No url-encoded forms: a web page may post one cross-site without a preflight.
+    parser_classes: list[type[BaseParser]] = [MultiPartParser]
+
+
+class ImageUpscaleView(APIView):
+    parser_classes = [JSONParser]
+
+    async def post(self, request: Request) -> object:
+        owner = getattr(request.auth, "label", None)
+        return await images.upscale_image(get_client(), request.data, RequestContext.of(request._request), owner)
 
 
 class EntitiesView(APIView):

@@ -96,10 +96,25 @@ class SpeechWork(_Work):
 
 
 class ImageWork(_Work):
-    """Image generation and upscaling (the image issue fills in the fields)."""
+    """Image generation, edits, variations and upscaling (spec §11). The references are spool
+    files the worker reads and removes; each finished image is a PNG in `output_dir`, which
+    its job removes (an image can exceed what one channel-layer message carries)."""
 
     kind: Literal["image"] = "image"
-    options: dict[str, Any] = {}
+    op: Literal["generate", "edit", "variation", "upscale"] = "generate"
+    prompt: str = ""
+    negative_prompt: str = ""
+    n: int = 1
+    # As asked (None: the model's default size); the worker clamps and rounds it, or refuses
+    # it for a generator of one size.
+    width: int | None = None
+    height: int | None = None
+    steps: int | None = None
+    cfg_scale: float | None = None
+    seed: int = 0
+    reference_paths: list[str] = []
+    upscale_factor: int | None = None
+    output_dir: str
 
 
 class DocumentWork(_Work):
@@ -364,6 +379,43 @@ class PageReady:
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
+class ImageStep:
+    """A sampling step of image `index` is done (progress of a long generation)."""
+
+    kind: Literal["image_step"] = "image_step"
+    index: int
+    step: int
+    steps: int
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class ImageReady:
+    """Image `index` is done: its PNG in the work's output_dir, the seed it was made with."""
+
+    kind: Literal["image_ready"] = "image_ready"
+    index: int
+    path: str
+    width: int
+    height: int
+    seed: int | None = None
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class ImageData:
+    """A piece of image `index`'s PNG (job to HTTP request), in order, `last` on its final
+    piece: pieces of at most IMAGE_PIECE_BYTES stay under the channel layer's message cap."""
+
+    kind: Literal["image_data"] = "image_data"
+    index: int
+    data: bytes
+    last: bool
+    seed: int | None = None
+
+
+IMAGE_PIECE_BYTES = 256 << 10
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
 class EntitiesFound:
     """The spans of one input text (`index`), in order; a text with very many spans comes in
     several events of the same index."""
@@ -456,6 +508,9 @@ EngineEvent = Annotated[
     | DocumentOpened
     | DocumentPage
     | PageReady
+    | ImageStep
+    | ImageReady
+    | ImageData
     | EntitiesFound
     | Done
     | Result

@@ -3,7 +3,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.db.models import Count
 
-from logs.models import DocumentJob, RequestLogEntry, StoredDocument, StoredPicture
+from logs.models import DocumentJob, ImageJob, RequestLogEntry, StoredDocument, StoredPicture
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -98,4 +98,28 @@ class DocumentJobAdmin(ReadOnlyAdmin):
 
     @admin.display(description="duration (ms)")
     def job_duration_ms(self, job: DocumentJob) -> float | None:
+        return job.duration_ms
+
+
+@admin.register(ImageJob)
+class ImageJobAdmin(ReadOnlyAdmin):
+    """Read-only: the image jobs with their state, images done of n and duration."""
+
+    list_display = [
+        "created_at",
+        "id",
+        "op",
+        "state",
+        "model",
+        "owner",
+        "images_done",
+        "images_total",
+        "job_duration_ms",
+        "error",
+    ]
+    list_filter = ["state", "op", "model"]
+    search_fields = ["id", "request_id"]
+
+    @admin.display(description="duration (ms)")
+    def job_duration_ms(self, job: ImageJob) -> float | None:
         return job.duration_ms

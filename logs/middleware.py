@@ -324,6 +324,9 @@ def record_observations(record: CallRecord, route: str, duration_ms: float, ok: 
             found.append(observation("hypnos_tts_ttfa_ms", record.ttfa_ms, model=model))
     elif record.work == "transcribe" and record.rtf is not None:
         found.append(observation("hypnos_stt_rtf", record.rtf, model=model))
+    elif record.work == "image":
+        # Job completion time: from the request's arrival to its images (spec §16).
+        found.append(observation("hypnos_image_jct_s", duration_ms / 1000, model=model))
     elif record.work == "document" and isinstance(engine.get("pages"), int):
         found.append(observation("hypnos_document_pages", engine["pages"], model=model))
         if isinstance(engine.get("ms_per_page"), (int, float)):

@@ -170,3 +170,43 @@ class DocumentJob(models.Model):
             return None
         end = self.finished_at or timezone.now()
         return round((end - self.started_at).total_seconds() * 1000, 1)
+
+
+class ImageJob(models.Model):
+    """A long job making images (spec §11: generations, edits, variations, upscales run by
+    Celery), for the operator: what it makes, its state, images done of n and duration. Its
+    Celery task has the same id."""
+
+    STATES = DocumentJob.STATES
+    OPS = [(op, op) for op in ("generate", "edit", "variation", "upscale")]
+
+    id = models.CharField(max_length=40, primary_key=True)
+    request_id = models.CharField(max_length=64)
+    model = models.CharField(max_length=200)
+    op = models.CharField(max_length=12, choices=OPS, default="generate")
+    # The label of the API key that asked ("" with no keys configured).
+    owner = models.CharField(max_length=100, blank=True)
+    state = models.CharField(max_length=12, choices=STATES, default="queued")
+    # What the request asked for (inference.image_job.ImageJobSpec).
+    spec = models.JSONField(default=dict)
+    images_total = models.IntegerField(default=1)
+    images_done = models.IntegerField(default=0)
+    # Set by the web process when the client left; the job stops after its current step or image.
+    cancel_requested = models.BooleanField(default=False)
+    error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    started_at = models.DateTimeField(null=True)
+    finished_at = models.DateTimeField(null=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.id} {self.op} {self.state} {self.images_done}/{self.images_total}"
+
+    @property
+    def duration_ms(self) -> float | None:
+        if self.started_at is None:
+            return None
+        end = self.finished_at or timezone.now()
+        return round((end - self.started_at).total_seconds() * 1000, 1)

@@ -13,7 +13,6 @@ import base64
 import binascii
 import dataclasses
 import logging
-import threading
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -21,12 +20,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.http import HttpResponseBase, JsonResponse
-from django.utils import timezone
 
-from hypnos_site.errors import HypnosError, InvalidRequest, JobLost, ModelNotAvailable, PayloadTooLarge
+from hypnos_site.errors import HypnosError, InvalidRequest, ModelNotAvailable, PayloadTooLarge
+from inference import jobs
 from inference.client import InferenceClient
 from inference.document_job import ConversionSpec
 from inference.jobs import JobFeed
@@ -231,77 +229,18 @@ def _too_large(size: int, limit: int) -> PayloadTooLarge:
 
 
 async def _dispatch(job_id: str) -> None:
-    """Hand the job to Celery: to the broker (distributed), or eagerly on a thread of this
-    process (embedded: no broker)."""
     from inference.tasks import convert_document
 
-    if settings.CELERY_TASK_ALWAYS_EAGER:
-        thread = threading.Thread(
-            target=convert_document.apply,
-            kwargs={"args": (job_id,), "task_id": job_id},
-            name=f"hypnos-{job_id}",
-            daemon=True,
-        )
-        thread.start()
-        return
-    try:
-        await asyncio.to_thread(convert_document.apply_async, args=(job_id,), task_id=job_id)
-    except Exception as exc:  # the broker is unreachable
-        raise ModelNotAvailable(f"The job broker is unreachable: {type(exc).__name__}: {exc}") from exc
+    await jobs.dispatch(convert_document, job_id)
 
 
 async def _cancel(job_id: str) -> None:
-    """The client left or the request failed: the job stops at its next page (a queued one
-    never starts). Runs to its end even when the caller is cancelled."""
-
-    def cancel_now() -> None:
-        DocumentJob.objects.filter(pk=job_id, state__in=("queued", "running")).update(cancel_requested=True)
-        if not settings.CELERY_TASK_ALWAYS_EAGER:
-            from hypnos_site.celery import app
-
-            app.control.revoke(job_id)
-
-    async def cancel() -> None:
-        # Not thread-sensitive: when the client left, this outlives the request and its thread.
-        await sync_to_async(cancel_now, thread_sensitive=False)()
-
-    try:
-        await asyncio.shield(cancel())
-    except Exception:  # the broker or the database is gone: the job runs on to its end
-        log.exception("job %s: the cancellation did not get through", job_id)
+    await jobs.cancel(DocumentJob, job_id)
 
 
-async def _job_events(feed: JobFeed, job_id: str, record: CallRecord) -> AsyncGenerator[Any, None]:
-    """The job's events after `document_opened` up to its Done (noted in the record); leaving
-    early cancels the job."""
-    finished = False
-    try:
-        while True:
-            event = await feed.next_event()
-            if isinstance(event, Done):
-                finished = True
-                record.note_telemetry(event.telemetry)
-                yield event
-                return
-            yield event
-    except JobLost as exc:
-        record.note_error(exc.message, exc.type)
-        await _mark_lost(job_id, exc.message)
-        raise
-    except HypnosError as exc:
-        record.note_error(exc.message, exc.type)
-        raise
-    finally:
-        if not finished:
-            await _cancel(job_id)
-        feed.close()
-
-
-async def _mark_lost(job_id: str, message: str) -> None:
-    """A job that went silent cannot say so itself: its row says it failed, for the operator."""
-    await DocumentJob.objects.filter(pk=job_id, state__in=("queued", "running")).aupdate(
-        state="failed", error=message, finished_at=timezone.now()
-    )
+def _job_events(feed: JobFeed, job_id: str, record: CallRecord) -> AsyncGenerator[Any, None]:
+    """The job's events after `document_opened` up to its Done; leaving early cancels the job."""
+    return jobs.job_events(feed, DocumentJob, job_id, record)
 
 
 async def _document_json(feed: JobFeed, job_id: str, record: CallRecord) -> dict[str, Any]:

@@ -137,10 +137,11 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
     return data
 
 
-def check_image(data: bytes, max_pixels: int) -> None:
+def check_image(data: bytes, max_pixels: int, param: str = "messages") -> str | None:
     """400 unless Pillow recognises the bytes as an image of at most `max_pixels` (the worker
     decodes them fully: a few KB of PNG can declare gigabytes of pixels). `Image.open` reads
-    only the header, so the size is known before anything is decompressed."""
+    only the header, so the size is known before anything is decompressed. Returns Pillow's
+    name of the format (PNG, JPEG, WEBP...); errors name `param`."""
     try:
         with warnings.catch_warnings():
             # Pillow warns between MAX_IMAGE_PIXELS and twice that; the check below refuses it.
@@ -150,18 +151,20 @@ def check_image(data: bytes, max_pixels: int) -> None:
                 if width * height > max_pixels:
                     raise InvalidRequest(
                         f"An image is {width}x{height} pixels, above limits.max_image_pixels ({max_pixels}).",
-                        param="messages",
+                        param=param,
                     )
+                found = image.format
                 image.verify()
+                return found
     except Image.DecompressionBombError:
         # Pillow's own cap (twice Image.MAX_IMAGE_PIXELS, set from the limit) refused it in open().
         raise InvalidRequest(
-            f"An image declares more pixels than limits.max_image_pixels allows ({max_pixels}).", param="messages"
+            f"An image declares more pixels than limits.max_image_pixels allows ({max_pixels}).", param=param
         ) from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        what = "The image_url does not hold" if param == "messages" else f"{param} is not"
         raise InvalidRequest(
-            f"The image_url does not hold an image Hypnos can decode (PNG, JPEG, WebP, GIF, ...): {exc}",
-            param="messages",
+            f"{what} an image Hypnos can decode (PNG, JPEG, WebP, GIF, ...): {exc}", param=param
         ) from None
 
 

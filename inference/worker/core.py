@@ -38,6 +38,7 @@ from inference.wire import (
     EntityWork,
     Error,
     GenerateWork,
+    ImageWork,
     Queued,
     Reasoning,
     Result,
@@ -46,6 +47,7 @@ from inference.wire import (
 )
 from inference.worker.documents import check_document_model, serve_document
 from inference.worker.entities import check_entity_model, serve_entities
+from inference.worker.images import check_image_model, serve_images
 from inference.worker.media import MEDIA_OPS, MediaWork, media_work, serve_media
 from inference.worker.pool import POOL_OPS, PoolChanges, PoolChanging, resubmit_after_change
 from inference.worker.runtime import Event, Lease, ModelRuntime, ModelTable, Sink
@@ -225,7 +227,7 @@ class Worker:
             if not self.ready:
                 raise ModelNotAvailable(STILL_STAGING)
             runtime = self.resolve(request.model)
-            work: ChatWork | MediaWork | DocumentWork | EntityWork
+            work: ChatWork | MediaWork | DocumentWork | EntityWork | ImageWork
             if request.work.kind in MEDIA_OPS:
                 work = media_work(runtime.config, request.work)  # type: ignore[arg-type]
             elif isinstance(request.work, DocumentWork):
@@ -233,6 +235,9 @@ class Worker:
                 work = request.work
             elif isinstance(request.work, EntityWork):
                 check_entity_model(runtime.config)
+                work = request.work
+            elif isinstance(request.work, ImageWork):
+                check_image_model(runtime.config)
                 work = request.work
             else:
                 if not isinstance(request.work, GenerateWork) or runtime.config.modality not in (
@@ -399,7 +404,7 @@ class Worker:
         self,
         runtime: ModelRuntime,
         request_id: str,
-        work: ChatWork | MediaWork | DocumentWork | EntityWork,
+        work: ChatWork | MediaWork | DocumentWork | EntityWork | ImageWork,
         cancel: threading.Event,
         sink: Sink,
     ) -> None:
@@ -423,6 +428,8 @@ class Worker:
                 final = serve_document(self.moves, runtime, engine, work, cancel, sink, queue_ms)  # type: ignore[arg-type]
             elif isinstance(work, EntityWork):
                 final = serve_entities(self.moves, runtime, engine, work, lease, sink, queue_ms, self.config.limits)
+            elif isinstance(work, ImageWork):
+                final = serve_images(self.moves, runtime, engine, work, lease, sink, queue_ms, self.config.limits)
             else:
                 final = self._serve_chat(runtime, engine, work, lease, sink, queue_ms)
             runtime.note_service((time.perf_counter() - arrived) * 1000 - queue_ms)

@@ -36,6 +36,8 @@ VICTIM = "fuzz-victim"  # a copy of SmolLM2 the pool-changing routes may disable
 CHAT, EMBED, STT, TTS, DOCLING = "smollm2-135m", "all-minilm-l6-v2", "whisper-tiny.en", "piper-joe", "docling"
 # A GLiNER-shaped graph with known scores (tests/gliner_graph.py), built for the fuzz run.
 ENTITIES = "fuzz-gliner"
+# The image models of the suite's lineup, when it has them.
+IMAGE_MODELS = ("dcgan-faces", "realesrgan")
 SERVED = (CHAT, EMBED, STT, TTS, DOCLING, VICTIM)
 ALIASES = ("gpt-4o-mini", "text-embedding-3-small", "whisper-1", "tts-1")
 
@@ -115,6 +117,9 @@ image_bytes = st.one_of(
     st.just(b"GIF89a"),
     st.binary(max_size=64),
 )
+
+
+image_sizes = st.sampled_from(["64x64", "256x256", "auto", "0x0", "64", "axb", "1000x700", "9999999x2", "x"])
 
 
 def _data_url(mime: str, data: bytes) -> str:
@@ -529,6 +534,18 @@ MODEL_FIELD_OVERRIDES: dict[str, st.SearchStrategy[Any]] = {
     "EmbeddingRequest.input": st.one_of(WORDS, st.lists(WORDS, max_size=3), st.just(""), st.just([])),
     "DocumentConvertRequest.model": st.sampled_from([DOCLING] * 8 + [CHAT, EMBED, "nope", ""]),
     "EntityRequest.model": st.sampled_from([ENTITIES] * 8 + [CHAT, EMBED, "nope", ""]),
+    "ImageGenerationRequest.model": st.sampled_from([*IMAGE_MODELS] * 4 + [CHAT, "nope", ""]),
+    "ImageGenerationRequest.prompt": WORDS,
+    "ImageGenerationRequest.n": st.integers(0, 6),
+    "ImageGenerationRequest.size": image_sizes,
+    "ImageGenerationRequest.steps": st.sampled_from([1, 2, 0, -5, 1000]),
+    "ImageUpscaleRequest.model": st.sampled_from([*IMAGE_MODELS] * 4 + [CHAT, "nope", ""]),
+    "ImageUpscaleRequest.image": st.one_of(
+        st.builds(lambda b: base64.b64encode(b).decode(), image_bytes),
+        st.builds(_data_url, st.sampled_from(["image/png", "text/plain"]), image_bytes),
+        st.sampled_from(["!!!", "", "data:image/png,raw"]),
+    ),
+    "ImageUpscaleRequest.upscale_factor": st.sampled_from([2, 4, 3, 0, 8, -1]),
     "EntityRequest.input": st.one_of(
         st.sampled_from(ENTITY_TEXTS), st.lists(st.sampled_from(ENTITY_TEXTS), max_size=4), SHORT_TEXT
     ),
@@ -1048,6 +1065,47 @@ def document_upload(draw: st.DrawFn) -> tuple[bytes, str]:
         body = body[: len(body) // 2]
     elif shape == "empty":
         body = b""
+    return body, content_type
+
+
+@st.composite
+def image_upload(draw: st.DrawFn) -> tuple[bytes, str]:
+    """A multipart edit or variation (what the SDKs send), mutated like document_upload: the
+    image part as `image` or `image[]`, not an image, a bomb, truncated; a mask part; numbers
+    that are no numbers."""
+    fields = draw(
+        mutated(
+            draw(
+                st.fixed_dictionaries(
+                    {"model": st.sampled_from([*IMAGE_MODELS] * 3 + [CHAT, "nope", ""])},
+                    optional={
+                        "prompt": WORDS,
+                        "n": st.sampled_from(["1", "2", "0", "9", "two", ""]),
+                        "size": image_sizes,
+                        "seed": st.sampled_from(["7", "-1", "1e9", "x"]),
+                        "cfg_scale": st.sampled_from(["1.5", "nan", "inf", "-2"]),
+                        "response_format": st.sampled_from(["b64_json", "url", "png"]),
+                    },
+                )
+            ),
+            max_mutations=1,
+        )
+    )
+    parts = [
+        (str(k), None, v.encode("utf-8", "surrogatepass") if isinstance(v, str) else encode_json(v, "plain"))
+        for k, v in (fields.items() if isinstance(fields, dict) else [])
+    ]
+    for _ in range(draw(st.sampled_from([1, 1, 1, 0, 2]))):
+        parts.append((draw(st.sampled_from(["image", "image", "image[]"])), "ref.png", draw(image_bytes)))
+    if not draw(st.integers(0, 9)):
+        parts.append(("mask", "mask.png", PNG))
+    body = multipart(draw(st.permutations(parts)))
+    shape = draw(st.sampled_from(["ok"] * 8 + ["no_boundary", "truncated"]))
+    content_type = "multipart/form-data; boundary=fuzzBoundary123"
+    if shape == "no_boundary":
+        content_type = "multipart/form-data"
+    elif shape == "truncated":
+        body = body[: len(body) // 2]
     return body, content_type
 
 

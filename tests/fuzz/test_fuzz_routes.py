@@ -54,6 +54,8 @@ from inference.protocol_media import (
     DocumentConvertRequest,
     EmbeddingRequest,
     EntityRequest,
+    ImageGenerationRequest,
+    ImageUpscaleRequest,
     SpeechRequest,
     TranscriptionRequest,
 )
@@ -208,6 +210,10 @@ V1_ROUTES = [
     Route("audio/speech", ("POST",), fz.wire_body(SpeechRequest), weight=6),
     Route("documents/convert", ("POST",), document_json, weight=6),
     Route("entities", ("POST",), fz.wire_body(EntityRequest), weight=6),
+    Route("images/generations", ("POST",), fz.wire_body(ImageGenerationRequest), weight=4),
+    Route("images/edits", ("POST",), fz.wire_body(ImageGenerationRequest), weight=3),
+    Route("images/variations", ("POST",), fz.wire_body(ImageGenerationRequest), weight=3),
+    Route("images/upscale", ("POST",), fz.wire_body(ImageUpscaleRequest), weight=3),
     # After the conversions, whose picture-store documents they then find (fz.SEEN_DOCUMENTS).
     Route("documents/<document_id:document_id>/pictures", ("GET", "HEAD"), path=pictures_paths, weight=2),
     Route("documents/<document_id:document_id>/pictures/<int:index>", ("GET", "HEAD"), path=picture_paths, weight=3),
@@ -275,7 +281,12 @@ def cases(draw: st.DrawFn, route: Route) -> Case:
     if method in ("GET", "HEAD", "OPTIONS", "DELETE") and not draw(st.integers(0, 7)) == 0:
         return case
     kind = draw(st.sampled_from(["wire"] * 8 + ["garbage"])) if route.body is not None else "garbage"
-    uploads = {"audio/transcriptions": fz.transcription_upload, "documents/convert": fz.document_upload}
+    uploads = {
+        "audio/transcriptions": fz.transcription_upload,
+        "documents/convert": fz.document_upload,
+        "images/edits": fz.image_upload,
+        "images/variations": fz.image_upload,
+    }
     upload = next((made for suffix, made in uploads.items() if route.pattern.endswith(suffix)), None)
     if upload is not None and draw(st.booleans()):
         case.body, case.content_type = draw(upload())

@@ -42,6 +42,8 @@ EVENTS = [
     wire.PageReady(
         page={"page": 2, "markdown": "x", "pictures": 1, "picture_urls": ["/v1/documents/doc-1/pictures/1"]}
     ),
+    wire.ImageStep(index=0, step=3, steps=20),
+    wire.ImageReady(index=1, path="/spool/out/1.png", width=64, height=64, seed=8),
     wire.EntitiesFound(index=1, spans=[Span(start=0, end=11, label="person", score=0.97)]),
     wire.Result(result={"models": []}),
     wire.Error.of(ContextLengthExceeded("too long", param="messages")),
@@ -61,7 +63,16 @@ def test_it_carries_a_request_per_modality_through_msgpack_unchanged():
         wire.EmbedWork(input=["a", "b"]),
         wire.TranscribeWork(audio="UklGRg==", language="en"),
         wire.SpeechWork(input="Hello.", voice="alloy"),
-        wire.ImageWork(),
+        wire.ImageWork(
+            op="edit",
+            prompt="a fox",
+            n=2,
+            width=64,
+            height=64,
+            seed=7,
+            reference_paths=["/spool/r.png"],
+            output_dir="/spool/out",
+        ),
         wire.DocumentWork(path="/spool/a.pdf", filename="a.pdf", pages="2-3", picture_dir="/spool/pics", max_pages=500),
         wire.EntityWork(input=["Mario Rossi works in Milan."], labels=["person", "city"], threshold=0.4, flat=False),
     ]

@@ -47,6 +47,10 @@ OPEN_TO_EVERY_KEY = {
     views.AdvisorView,
     views.UnknownRouteView,
     views.DocumentConvertView,
+    views.EntitiesView,
+    views.ImagesView,
+    views.ImageFormView,
+    views.ImageUpscaleView,
     # A key deletes only its own documents (another key's are a 404: logs/pictures.py).
     log_views.DocumentView,
 }

@@ -88,15 +88,23 @@ def place_folder(source: Path, dest: Path) -> bool:
     return True
 
 
+# What `torch.save` files are named in packages (gan-face-generate's is `weights.tar`).
+TORCH_SAVE_SUFFIXES = (".tar", ".pt", ".pth")
+
+
 def needs_conversion(model: ModelConfig) -> bool:
-    """A Hugging Face model folder to be served as GGUF: `manage.py convertmodels` writes it."""
-    return bool(model.package and model.package_path and model.weights_path.endswith(".gguf"))
+    """A packaged model served in another format than it comes in, which `manage.py
+    convertmodels` writes once (installmodels leaves it alone): a Hugging Face folder served as
+    GGUF, or a torch.save DCGAN generator (package_path ending in .tar, .pt, .pth) served as ONNX."""
+    if not (model.package and model.package_path):
+        return False
+    if model.weights_path.endswith(".gguf"):
+        return True
+    return model.weights_path.endswith(".onnx") and model.package_path.endswith(TORCH_SAVE_SUFFIXES)
 
 
 def convert_packaged_models(config: HypnosConfig) -> list[tuple[str, Path, bool]]:
-    """Convert the models that come as Hugging Face folders to their GGUF weights_path, once."""
-    from models_registry.hf_to_gguf import ConversionError, convert_bert, is_hf_bert_folder
-
+    """Convert the packaged models that need it (needs_conversion) to their weights_path, once."""
     converted = []
     for model in config.models:
         if not needs_conversion(model):
@@ -106,14 +114,33 @@ def convert_packaged_models(config: HypnosConfig) -> list[tuple[str, Path, bool]
             converted.append((model.id, dest, False))
             continue
         (source,) = package_files(model)
-        if not is_hf_bert_folder(source):
-            raise PackageMissing(f"{model.id}: {source} is not a BERT model folder with safetensors")
-        try:
-            convert_bert(source, dest, name=model.id)
-        except ConversionError as exc:
-            raise PackageMissing(str(exc)) from exc
+        if dest.suffix == ".onnx":
+            _convert_dcgan(model, source, dest)
+        else:
+            _convert_bert(model, source, dest)
         converted.append((model.id, dest, True))
     return converted
+
+
+def _convert_bert(model: ModelConfig, source: Path, dest: Path) -> None:
+    from models_registry.hf_to_gguf import ConversionError, convert_bert, is_hf_bert_folder
+
+    if not is_hf_bert_folder(source):
+        raise PackageMissing(f"{model.id}: {source} is not a BERT model folder with safetensors")
+    try:
+        convert_bert(source, dest, name=model.id)
+    except ConversionError as exc:
+        raise PackageMissing(str(exc)) from exc
+
+
+def _convert_dcgan(model: ModelConfig, source: Path, dest: Path) -> None:
+    # Imported here: onnx is a set-up dependency, not one of the web process.
+    from models_registry.gan_to_onnx import ConversionError, convert_dcgan
+
+    try:
+        convert_dcgan(source, dest)
+    except ConversionError as exc:
+        raise PackageMissing(f"{model.id}: {exc}") from exc
 
 
 def install_packaged_models(config: HypnosConfig) -> list[tuple[str, Path, bool]]:

@@ -8,8 +8,9 @@ from models_registry.packaged import PackageMissing, convert_packaged_models
 
 class Command(BaseCommand):
     help = (
-        "Convert the configured models that come as Hugging Face folders (package_path) to the GGUF "
-        "their weights_path names, once per machine."
+        "Convert the configured packaged models to the format their weights_path names, once per "
+        "machine: Hugging Face BERT folders (package_path) to GGUF, a torch.save DCGAN generator "
+        "(package_path ending in .tar, .pt or .pth) to ONNX."
     )
 
     def handle(self, *args, **options):  # type: ignore[no-untyped-def]

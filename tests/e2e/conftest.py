@@ -128,6 +128,13 @@ modality = "document_conversion"
 engine = "docling"
 weights_path = "{media["docling"]}"
 initial_tier = "tier3_nvme_ssd"
+
+[[models]]
+id = "dcgan-faces"
+modality = "image_generation"
+engine = "onnx_runtime"
+weights_path = "{media["dcgan-faces"]}"
+initial_tier = "tier3_nvme_ssd"
 """
     )
     return path

@@ -303,6 +303,18 @@ class ModelConfig(_Strict):
         return self
 
     @property
+    def image_capabilities(self) -> list[str]:
+        """What an image model can do, from its block (the engines agree): `ignores_prompt` (an
+        unconditional ONNX generator, seeded by the prompt), `upscale`, `edit`."""
+        if self.modality != "image_generation":
+            return []
+        if self.engine == "ncnn":
+            return ["upscale"]
+        if self.engine == "onnx_runtime":
+            return ["ignores_prompt"]
+        return ["edit"] if self.image is not None and self.image.edit else []
+
+    @property
     def modalities(self) -> list[str]:
         """The primary modality first, then what else the model serves (spec §6)."""
         found: list[str] = [self.modality]

@@ -19,7 +19,7 @@ CREATED = 1_767_225_600  # 2026-01-01, a fixed `created` for configured models
 
 
 def _model_object(model: ModelConfig, state: dict[str, Any]) -> dict[str, Any]:
-    return {
+    found = {
         "id": model.id,
         "object": "model",
         "created": CREATED,
@@ -30,6 +30,10 @@ def _model_object(model: ModelConfig, state: dict[str, Any]) -> dict[str, Any]:
         "placement": state.get("placement"),
         "active_leases": state.get("active_leases", 0),
     }
+    if model.image_capabilities:
+        # An image model says what it can do: `ignores_prompt` for an unconditional generator.
+        found["capabilities"] = model.image_capabilities
+    return found
 
 
 def _enabled(model: ModelConfig, state: dict[str, Any]) -> bool:

@@ -106,6 +106,13 @@ async def test_the_same_seed_gives_the_same_png_bytes_and_another_seed_another_i
     assert third["data"][0]["b64_json"] == batch["data"][2]["b64_json"]
 
 
+async def test_the_model_list_says_the_generator_ignores_the_prompt(api):
+    listed = {m["id"]: m for m in (await api.get("/v1/models")).json()["data"]}
+    assert listed[GAN]["modality"] == "image_generation"
+    assert listed[GAN]["capabilities"] == ["ignores_prompt"]
+    assert "capabilities" not in listed[CHAT]
+
+
 async def test_a_random_seed_is_reported(api):
     body = await generate(api)
     assert isinstance(body["data"][0]["seed"], int) and body["data"][0]["seed"] >= 0

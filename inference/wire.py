@@ -115,6 +115,9 @@ class ImageWork(_Work):
     reference_paths: list[str] = []
     upscale_factor: int | None = None
     output_dir: str
+    # limits.max_image_pixels of the web process that took the request: the largest image an
+    # upscale may make.
+    max_pixels: int
 
 
 class DocumentWork(_Work):

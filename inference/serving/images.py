@@ -115,7 +115,12 @@ async def _run(
     job_id = "img-" + uuid.uuid4().hex
     try:
         feed = await JobFeed.open()
-        spec = ImageJobSpec(request_id=ctx.request_id, progress_channel=feed.channel, **fields)
+        spec = ImageJobSpec(
+            request_id=ctx.request_id,
+            progress_channel=feed.channel,
+            max_pixels=settings.HYPNOS.limits.max_image_pixels,
+            **fields,
+        )
         await ImageJob.objects.acreate(
             id=job_id,
             request_id=ctx.request_id,

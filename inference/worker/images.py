@@ -148,6 +148,13 @@ def _plan(config: ModelConfig, engine: Engine, work: ImageWork, limits: LimitsCo
         references = [_decode(path, limits, "image") for path in work.reference_paths[:1]]
         if not references:
             raise InvalidRequest("image is required.", param="image")
+        height, width = references[0].shape[:2]
+        if width * height * factor**2 > work.max_pixels:
+            raise InvalidRequest(
+                f"The upscaled image would be {width * factor}x{height * factor} pixels, above "
+                f"limits.max_image_pixels ({work.max_pixels}).",
+                param="image",
+            )
         return _Plan(0, 0, None, None, 0.0, references, factor)
     if upscaler:
         raise InvalidRequest(f"The model {config.id!r} is an upscaler: use /v1/images/upscale.", param="model")

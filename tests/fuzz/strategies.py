@@ -37,7 +37,7 @@ CHAT, EMBED, STT, TTS, DOCLING = "smollm2-135m", "all-minilm-l6-v2", "whisper-ti
 # A GLiNER-shaped graph with known scores (tests/gliner_graph.py), built for the fuzz run.
 ENTITIES = "fuzz-gliner"
 # The image models of the suite's lineup, when it has them.
-IMAGE_MODELS = ("dcgan-faces", "realesrgan")
+IMAGE_MODELS = ("dcgan-faces", "realesrgan-x4")
 SERVED = (CHAT, EMBED, STT, TTS, DOCLING, VICTIM)
 ALIASES = ("gpt-4o-mini", "text-embedding-3-small", "whisper-1", "tts-1")
 

@@ -522,7 +522,7 @@ def fuzz_config(settings_: Any, gliner_folder: Path) -> HypnosConfig:
     )
     with_server(settings_, api_keys=[fz.ADMIN_KEY], keys=[KeyConfig(key=fz.USER_KEY, label="fuzz-user")])
     config: HypnosConfig = settings_.HYPNOS
-    served = [m for m in config.models if m.id in fz.SERVED]
+    served = [m for m in config.models if m.id in (*fz.SERVED, *fz.IMAGE_MODELS)]
     chat = next(m for m in served if m.id == fz.CHAT)
     victim = chat.model_copy(update={"id": fz.VICTIM, "aliases": [], "initial_tier": "tier3_nvme_ssd"})
     entities = ModelConfig(

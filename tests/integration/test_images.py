@@ -5,6 +5,7 @@ from the worker's checks, with nothing left behind (lease, job, spool file)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import struct
@@ -70,7 +71,7 @@ def assert_refused(response, status: int, param: str | None) -> dict:
 
 
 async def assert_nothing_left(worker) -> None:
-    assert await wait_until(lambda: worker.tiers.leases(GAN) == 0)
+    assert await wait_until(lambda: worker.tiers.leases(GAN) == 0 and worker.tiers.leases("realesrgan-x4") == 0, 30)
     spool = settings.HYPNOS.data_dir / "spool"
     leftovers = [p for p in spool.rglob("*") if p.is_file()] if spool.exists() else []
     assert leftovers == []
@@ -233,3 +234,94 @@ async def test_an_image_model_and_a_chat_model_evict_each_other_under_a_tight_bu
     assert again["hypnos_telemetry"]["evicted_models"] == [CHAT]
     assert again["hypnos_telemetry"]["previous_tier"] == "tier2_pinned_ram"
     assert again["data"][0]["b64_json"] == first["data"][0]["b64_json"]
+
+
+# -- upscaling (Real-ESRGAN on ncnn) -------------------------------------------------------------
+
+UPSCALER = "realesrgan-x4"
+
+
+def picture(width: int = 64, height: int = 64) -> Image.Image:
+    """A test picture with edges and text (not noise: an upscaler's output is compared with it)."""
+    from PIL import ImageDraw
+
+    image = Image.new("RGB", (width, height), (235, 225, 200))
+    draw = ImageDraw.Draw(image)
+    draw.ellipse((width // 8, height // 8, width // 2, height // 2), fill=(200, 40, 40), outline=(20, 20, 20))
+    draw.rectangle((width // 2, height // 3, width - 4, height - 6), fill=(30, 90, 200))
+    draw.text((4, height - 14), "Hi 42", fill=(0, 0, 0))
+    return image
+
+
+def as_b64(image: Image.Image) -> str:
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def psnr(a: Image.Image, b: Image.Image) -> float:
+    x, y = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(10 * np.log10(255**2 / np.mean((x - y) ** 2)))
+
+
+@pytest.mark.parametrize("factor", [2, 4])
+async def test_an_upscale_is_the_same_picture_larger_and_not_a_plain_resize(api, worker, factor):
+    source = picture()
+    response = await post_json(api, UPSCALE, {"model": UPSCALER, "image": as_b64(source), "upscale_factor": factor})
+    assert response.status_code == 200, response.content
+    body = response.json()
+    upscaled = decoded(body["data"][0])
+    assert upscaled.size == (64 * factor, 64 * factor)
+    assert psnr(upscaled, source.resize(upscaled.size, Image.Resampling.BICUBIC)) > 20
+    for name in ("NEAREST", "BOX", "BILINEAR", "HAMMING", "BICUBIC", "LANCZOS"):
+        assert psnr(upscaled, source.resize(upscaled.size, getattr(Image.Resampling, name))) < 38, name
+    engine = body["hypnos_telemetry"]["engine"]
+    assert engine["upscale_factor"] == factor and engine["megapixels_per_s"] > 0
+    await assert_nothing_left(worker)
+
+
+async def test_the_upscalers_own_factor_is_the_default_and_others_are_refused(api, worker):
+    default = await post_json(api, UPSCALE, {"model": UPSCALER, "image": as_b64(picture(32, 24))})
+    assert decoded(default.json()["data"][0]).size == (128, 96)
+    for factor in (8, 0, "2"):
+        response = await post_json(
+            api, UPSCALE, {"model": UPSCALER, "image": as_b64(picture()), "upscale_factor": factor}
+        )
+        assert_refused(response, 400, "upscale_factor")
+    await assert_nothing_left(worker)
+
+
+async def test_an_upscaler_is_no_generator(api, worker):
+    assert_refused(await post_json(api, GENERATIONS, {"model": UPSCALER, "prompt": "a face"}), 400, "model")
+    await assert_nothing_left(worker)
+
+
+async def test_an_upscale_beyond_the_pixel_cap_is_refused(api, worker, settings):
+    with_limits(settings, max_image_pixels=100_000)
+    response = await post_json(
+        api, UPSCALE, {"model": UPSCALER, "image": as_b64(picture(100, 100)), "upscale_factor": 4}
+    )
+    error = assert_refused(response, 400, "image")
+    assert "400x400" in error["message"]
+    await assert_nothing_left(worker)
+
+
+async def test_a_client_that_leaves_stops_the_job_between_tiles(api, worker):
+    """A 512x512 picture at 4x is 16 tiles of seconds each here: the client leaves after the
+    job started, and the job ends cancelled long before the last tile."""
+    request = asyncio.ensure_future(
+        post_json(api, UPSCALE, {"model": UPSCALER, "image": as_b64(picture(512, 512)), "upscale_factor": 4})
+    )
+    assert await wait_until(lambda: worker.tiers.leases(UPSCALER) == 1, 60)
+    request.cancel()
+    await asyncio.gather(request, return_exceptions=True)
+    job = await ImageJob.objects.filter(op="upscale").alatest("created_at")
+
+    async def ended() -> ImageJob:
+        while (found := await ImageJob.objects.aget(pk=job.pk)).state in ("queued", "running"):
+            await asyncio.sleep(0.05)
+        return found
+
+    final = await asyncio.wait_for(ended(), 30)
+    assert final.state == "cancelled" and final.cancel_requested and final.images_done == 0
+    await assert_nothing_left(worker)

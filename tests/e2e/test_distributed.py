@@ -17,7 +17,17 @@ from tests.conftest import PARIS_MESSAGES
 from tests.e2e.conftest import Server, base_env, free_port, run_manage, start, wait_ready, write_config
 
 pytestmark = pytest.mark.e2e
-ENGINE_MODULES = ["llama_cpp", "inference.engines.llama", "onnxruntime", "faster_whisper", "piper", "docling"]
+ENGINE_MODULES = [
+    "llama_cpp",
+    "inference.engines.llama",
+    "onnxruntime",
+    "faster_whisper",
+    "piper",
+    "docling",
+    "ncnn",
+    "stable_diffusion_cpp",
+    "tokenizers",
+]
 
 
 def test_the_web_process_does_not_import_engine_libraries(tmp_path):

@@ -56,6 +56,8 @@ def test_the_sdk_lists_the_models(server):
         "whisper-tiny.en",
         "piper-joe",
         "docling",
+        "dcgan-faces",
+        "realesrgan-x4",
     ]
 
 

@@ -192,6 +192,8 @@ async def test_models_lists_the_pool_with_its_tier(api):
         "whisper-tiny.en",
         "piper-joe",
         "docling",
+        "dcgan-faces",
+        "realesrgan-x4",
     ]
     model = body["data"][0]
     assert model["id"] == MODEL and model["object"] == "model" and model["owned_by"] == "hypnos"

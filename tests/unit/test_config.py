@@ -70,5 +70,7 @@ def test_the_example_config_is_valid():
         "whisper-tiny.en",
         "piper-joe",
         "docling",
+        "dcgan-faces",
+        "realesrgan-x4",
     ]
     assert config.models == DEFAULT_MODELS

@@ -325,3 +325,11 @@ async def test_a_client_that_leaves_stops_the_job_between_tiles(api, worker):
     final = await asyncio.wait_for(ended(), 30)
     assert final.state == "cancelled" and final.cancel_requested and final.images_done == 0
     await assert_nothing_left(worker)
+
+
+async def test_the_image_job_time_is_a_metric_family(api):
+    await generate(api, seed=2)
+    page = (await api.get("/metrics")).content.decode()
+    counts = [line for line in page.splitlines() if line.startswith('hypnos_image_jct_s_count{model="dcgan-faces"}')]
+    assert counts and float(counts[0].split()[-1]) >= 1
+    assert 'hypnos_image_jct_s_bucket{le="+Inf",model="dcgan-faces"}' in page

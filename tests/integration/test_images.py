@@ -333,3 +333,25 @@ async def test_the_image_job_time_is_a_metric_family(api):
     counts = [line for line in page.splitlines() if line.startswith('hypnos_image_jct_s_count{model="dcgan-faces"}')]
     assert counts and float(counts[0].split()[-1]) >= 1
     assert 'hypnos_image_jct_s_bucket{le="+Inf",model="dcgan-faces"}' in page
+
+
+async def test_a_failure_mid_batch_answers_the_error_not_a_partial_list(api, worker, monkeypatch):
+    """The engine fails on the batch's third image: the answer is the error (500 in the
+    envelope), no images, and nothing is left behind."""
+    from inference.engines.image_onnx import OnnxImageEngine
+
+    real = OnnxImageEngine.generate_image
+
+    def failing(self, spec, cancel, on_step=None):
+        if spec.seed == 102:
+            raise RuntimeError("the generator broke")
+        return real(self, spec, cancel, on_step)
+
+    monkeypatch.setattr(OnnxImageEngine, "generate_image", failing)
+    response = await post_json(api, GENERATIONS, {"model": GAN, "prompt": "a face", "n": 4, "seed": 100})
+    assert response.status_code == 500, response.content
+    body = response.json()
+    assert "data" not in body and "the generator broke" in body["error"]["message"]
+    job = await ImageJob.objects.filter(images_total=4).alatest("created_at")
+    assert job.state == "failed" and job.images_done == 2
+    await assert_nothing_left(worker)

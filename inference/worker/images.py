@@ -121,8 +121,9 @@ def serve_images(
         timings["upscale_factor"] = plan.factor
         timings["megapixels_per_s"] = round(width * height * plan.factor**2 / 1e6 / (inference_ms / 1000), 3)
     else:
-        timings.update(width=plan.width, height=plan.height, steps=plan.steps, cfg_scale=plan.cfg_scale)
-        timings["steps_done"] = steps_done
+        timings.update(width=plan.width, height=plan.height)
+        if plan.steps is not None:
+            timings.update(steps=plan.steps, cfg_scale=plan.cfg_scale, steps_done=steps_done)
     placement = moves.tiers.placement(runtime.config.id)
     telemetry = switch.telemetry(placement, inference_ms, timings)
     if switch.phases:
@@ -181,8 +182,11 @@ def _plan(config: ModelConfig, engine: Engine, work: ImageWork, limits: LimitsCo
     else:
         width = clamp_side(work.width or 1024)
         height = clamp_side(work.height or 1024)
-    steps = min(max(work.steps if work.steps is not None else image.steps, MIN_STEPS), MAX_STEPS)
-    cfg = min(max(work.cfg_scale if work.cfg_scale is not None else image.cfg_scale, 0.0), MAX_CFG_SCALE)
+    steps: int | None = min(max(work.steps if work.steps is not None else image.steps, MIN_STEPS), MAX_STEPS)
+    cfg: float | None = min(max(work.cfg_scale if work.cfg_scale is not None else image.cfg_scale, 0.0), MAX_CFG_SCALE)
+    if "ignores_prompt" in abilities:
+        # An unconditional generator samples nothing: no steps, no guidance.
+        steps = cfg = None
     references = [_decode(path, limits, "image") for path in work.reference_paths]
     if work.op in ("edit", "variation") and not references:
         raise InvalidRequest("image is required.", param="image")

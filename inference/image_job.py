@@ -16,40 +16,29 @@ import asyncio
 import logging
 import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from django.conf import settings
 from django.utils import timezone
 from pydantic import BaseModel, ConfigDict
 
 from hypnos_site.errors import Cancelled, HypnosError, ModelNotAvailable, ServerError
 from inference.client import InferenceClient
 from inference.jobs import JobReporter, watched
-from inference.wire import IMAGE_PIECE_BYTES, Done, EngineRequest, ImageData, ImageReady, ImageWork, Started
+from inference.wire import IMAGE_PIECE_BYTES, Done, EngineRequest, ImageData, ImageReady, ImageWork
 from logs.models import ImageJob
 
 log = logging.getLogger(__name__)
 
 
 class ImageJobSpec(BaseModel):
-    """What the request asked for, as the web process hands it to the job (kept in the job row)."""
+    """What the request asked for, as the web process hands it to the job (kept in the job row):
+    the worker's work itself, and where the job reports."""
 
     model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
 
     model: str
     request_id: str
-    op: Literal["generate", "edit", "variation", "upscale"]
-    prompt: str = ""
-    negative_prompt: str = ""
-    n: int = 1
-    width: int | None = None
-    height: int | None = None
-    steps: int | None = None
-    cfg_scale: float | None = None
-    seed: int = 0
-    reference_paths: list[str] = []
-    upscale_factor: int | None = None
-    max_pixels: int
+    work: ImageWork
     progress_channel: str
 
 
@@ -59,12 +48,12 @@ async def run_job(job_id: str, client: InferenceClient, layer: Any) -> dict[str,
     job = await ImageJob.objects.aget(pk=job_id)
     spec = ImageJobSpec.model_validate(job.spec)
     reporter = JobReporter(layer, spec.progress_channel)
-    output = settings.HYPNOS.data_dir / "spool" / "images" / job_id
+    output = Path(spec.work.output_dir)
     try:
         if job.cancel_requested:
             raise Cancelled("the client left before the job started")
         await _set(job, state="running", started_at=timezone.now())
-        done, seeds = await watched(ImageJob, job_id, _make(job, spec, client, reporter, output), reporter)
+        done, seeds = await watched(ImageJob, job_id, _make(job, spec, client, reporter), reporter)
         # The row is final before the client hears the end.
         await _set(job, state="done", images_done=len(seeds), finished_at=timezone.now())
         await reporter.send(done)
@@ -82,31 +71,16 @@ async def run_job(job_id: str, client: InferenceClient, layer: Any) -> dict[str,
         await reporter.error(error)
         return None
     finally:
-        for path in spec.reference_paths:
+        for path in spec.work.reference_paths:
             Path(path).unlink(missing_ok=True)
         shutil.rmtree(output, ignore_errors=True)
 
 
 async def _make(
-    job: ImageJob, spec: ImageJobSpec, client: InferenceClient, reporter: JobReporter, output: Path
+    job: ImageJob, spec: ImageJobSpec, client: InferenceClient, reporter: JobReporter
 ) -> tuple[Done, list[int | None]]:
     """Run the work on the inference worker, relaying `started` and each image as it is made."""
-    work = ImageWork(
-        op=spec.op,
-        prompt=spec.prompt,
-        negative_prompt=spec.negative_prompt,
-        n=spec.n,
-        width=spec.width,
-        height=spec.height,
-        steps=spec.steps,
-        cfg_scale=spec.cfg_scale,
-        seed=spec.seed,
-        reference_paths=spec.reference_paths,
-        upscale_factor=spec.upscale_factor,
-        output_dir=str(output),
-        max_pixels=spec.max_pixels,
-    )
-    request = EngineRequest(request_id=spec.request_id, model=spec.model, work=work)
+    request = EngineRequest(request_id=spec.request_id, model=spec.model, work=spec.work)
     call, started = await client.start(request)
     seeds: list[int | None] = []
     async with call:
@@ -138,6 +112,3 @@ async def _set(job: ImageJob, **fields: Any) -> None:
     for name, value in fields.items():
         setattr(job, name, value)
     await job.asave(update_fields=list(fields))
-
-
-__all__ = ["ImageJobSpec", "Started", "run_job"]

@@ -132,26 +132,21 @@ class StoredPicture(models.Model):
         return f"{self.document_id} #{self.index}"
 
 
-class DocumentJob(models.Model):
-    """A long job (a document conversion run by Celery), for the operator: what it converts, its
-    state, pages done and duration. Its Celery task has the same id (django-celery-results keeps
-    the task's own state and result)."""
+class JobRow(models.Model):
+    """What every long job's row holds (inference/jobs.py reads and writes these): its state,
+    who asked, the cancel flag a client that left sets, the error, and its times."""
 
     STATES = [(s, s) for s in ("queued", "running", "done", "failed", "cancelled")]
 
     id = models.CharField(max_length=40, primary_key=True)
     request_id = models.CharField(max_length=64)
     model = models.CharField(max_length=200)
-    filename = models.CharField(max_length=255, blank=True)
     # The label of the API key that asked ("" with no keys configured).
     owner = models.CharField(max_length=100, blank=True)
     state = models.CharField(max_length=12, choices=STATES, default="queued")
-    # What the request asked for (inference.document_job.ConversionSpec).
+    # What the request asked for (the job's spec model, inference/document_job.py, image_job.py).
     spec = models.JSONField(default=dict)
-    pages_total = models.IntegerField(null=True)
-    pages_done = models.IntegerField(default=0)
-    document_id = models.CharField(max_length=64, blank=True)
-    # Set by the web process when the client left; the job stops at its next page.
+    # Set by the web process when the client left; the job stops at its next unit of work.
     cancel_requested = models.BooleanField(default=False)
     error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
@@ -159,54 +154,47 @@ class DocumentJob(models.Model):
     finished_at = models.DateTimeField(null=True)
 
     class Meta:
+        abstract = True
         ordering = ["-created_at"]
+
+    @property
+    def duration_ms(self) -> float | None:
+        if self.started_at is None:
+            return None
+        end = self.finished_at or timezone.now()
+        return round((end - self.started_at).total_seconds() * 1000, 1)
+
+
+class DocumentJob(JobRow):
+    """A document conversion run by Celery, for the operator: what it converts, its state,
+    pages done and duration. Its Celery task has the same id (django-celery-results keeps the
+    task's own state and result)."""
+
+    filename = models.CharField(max_length=255, blank=True)
+    pages_total = models.IntegerField(null=True)
+    pages_done = models.IntegerField(default=0)
+    document_id = models.CharField(max_length=64, blank=True)
+
+    class Meta(JobRow.Meta):
+        pass
 
     def __str__(self) -> str:
         return f"{self.id} {self.state} {self.pages_done}/{self.pages_total or '?'}"
 
-    @property
-    def duration_ms(self) -> float | None:
-        if self.started_at is None:
-            return None
-        end = self.finished_at or timezone.now()
-        return round((end - self.started_at).total_seconds() * 1000, 1)
 
+class ImageJob(JobRow):
+    """Images made by Celery (spec §11: generations, edits, variations, upscales), for the
+    operator: what it makes, its state, images done of n and duration. Its Celery task has the
+    same id."""
 
-class ImageJob(models.Model):
-    """A long job making images (spec §11: generations, edits, variations, upscales run by
-    Celery), for the operator: what it makes, its state, images done of n and duration. Its
-    Celery task has the same id."""
-
-    STATES = DocumentJob.STATES
     OPS = [(op, op) for op in ("generate", "edit", "variation", "upscale")]
 
-    id = models.CharField(max_length=40, primary_key=True)
-    request_id = models.CharField(max_length=64)
-    model = models.CharField(max_length=200)
     op = models.CharField(max_length=12, choices=OPS, default="generate")
-    # The label of the API key that asked ("" with no keys configured).
-    owner = models.CharField(max_length=100, blank=True)
-    state = models.CharField(max_length=12, choices=STATES, default="queued")
-    # What the request asked for (inference.image_job.ImageJobSpec).
-    spec = models.JSONField(default=dict)
     images_total = models.IntegerField(default=1)
     images_done = models.IntegerField(default=0)
-    # Set by the web process when the client left; the job stops after its current step or image.
-    cancel_requested = models.BooleanField(default=False)
-    error = models.TextField(blank=True)
-    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
-    started_at = models.DateTimeField(null=True)
-    finished_at = models.DateTimeField(null=True)
 
-    class Meta:
-        ordering = ["-created_at"]
+    class Meta(JobRow.Meta):
+        pass
 
     def __str__(self) -> str:
         return f"{self.id} {self.op} {self.state} {self.images_done}/{self.images_total}"
-
-    @property
-    def duration_ms(self) -> float | None:
-        if self.started_at is None:
-            return None
-        end = self.finished_at or timezone.now()
-        return round((end - self.started_at).total_seconds() * 1000, 1)

@@ -38,6 +38,7 @@ from tokenizers import Tokenizer
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import Cancelled, ModelNotAvailable
 from inference.engines.base import Engine, LoadPhases
+from inference.engines.onnx_session import open_session
 from inference.entities import CANDIDATES_PER_WORD, Span, best_candidates, label_families, select_spans
 from memory.planner import Footprint, footprint_from_files
 
@@ -159,12 +160,6 @@ def _sigmoid(logits: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(logits.astype(np.float64) / 2.0))
 
 
-def _providers() -> list[str]:
-    """CUDA when this onnxruntime build has it (onnxruntime-gpu on a GPU box), always CPU last."""
-    available = onnxruntime.get_available_providers()
-    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
-
-
 @dataclass
 class _Text:
     """One text of a request: its words' character offsets and strings, their token counts."""
@@ -274,12 +269,7 @@ class GlinerEngine(Engine):
         mode = "mmap" if self._warm is not None else "read"
         weights_ms = self.warm()
         assert self._warm is not None
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = self.n_threads or 0
-        try:
-            session = onnxruntime.InferenceSession(self._warm.path, sess_options=options, providers=_providers())
-        except Exception as exc:  # onnxruntime raises one plain Exception class per status (InvalidProtobuf...)
-            raise ModelNotAvailable(f"model {self.model.id!r} could not be loaded from {self.graph}: {exc}") from exc
+        session = open_session(self.model.id, self._warm.path, self.graph, self.n_threads)
         self._input_dtypes = self._check_signature(session)
         self._session = session
         self._context_len = context_len

@@ -22,6 +22,7 @@ import onnxruntime
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import Cancelled, ModelNotAvailable
 from inference.engines.base import Engine, ImageSpec, LoadPhases
+from inference.engines.onnx_session import open_session
 from memory.planner import Footprint, footprint_from_files
 
 # Measured with the DCGAN face graph (14.3 MB, 2-core CPU): beyond the graph's bytes, the process
@@ -31,12 +32,6 @@ from memory.planner import Footprint, footprint_from_files
 WORKSPACE_BYTES = 40 << 20
 SEED_MODULUS = 1 << 64
 IMAGE_SIZE = (64, 64)
-
-
-def _providers() -> list[str]:
-    """CUDA when this onnxruntime build has it (onnxruntime-gpu on a GPU box), always CPU last."""
-    available = onnxruntime.get_available_providers()
-    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
 
 
 def latent(seed: int, prompt: str, nz: int) -> np.ndarray:
@@ -80,12 +75,7 @@ class OnnxImageEngine(Engine):
         mode = "mmap" if self._warm is not None else "read"
         weights_ms = self.warm()
         assert self._warm is not None
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = self.n_threads or 0
-        try:
-            session = onnxruntime.InferenceSession(self._warm.path, sess_options=options, providers=_providers())
-        except Exception as exc:  # onnxruntime raises one plain Exception class per status (InvalidProtobuf...)
-            raise ModelNotAvailable(f"model {self.model.id!r} could not be loaded from {self.graph}: {exc}") from exc
+        session = open_session(self.model.id, self._warm.path, self.graph, self.n_threads)
         self._nz = self._check_signature(session)
         self._session = session
         total_ms = (time.perf_counter() - started) * 1000

@@ -20,6 +20,7 @@ import onnxruntime
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import ModelNotAvailable
 from inference.engines.base import Engine, LoadPhases
+from inference.engines.onnx_session import providers
 from memory.planner import Footprint, footprint_from_files
 
 # Measured with Piper en_US-joe-medium (2-core CPU): ~145 MB beyond the graph while synthesizing
@@ -43,12 +44,6 @@ KOKORO_VOICES = {
 KOKORO_DEFAULT_VOICE = "af_heart"
 
 
-def _providers() -> list[str]:
-    """CUDA when this onnxruntime build has it (onnxruntime-gpu on a GPU box), always CPU last."""
-    available = onnxruntime.get_available_providers()
-    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
-
-
 class Voice(ABC):
     """One loaded voice family."""
 
@@ -61,7 +56,7 @@ class PiperFamily(Voice):
         from piper import PiperVoice
         from piper.config import PiperConfig
 
-        session = onnxruntime.InferenceSession(graph, sess_options=onnxruntime.SessionOptions(), providers=_providers())
+        session = onnxruntime.InferenceSession(graph, sess_options=onnxruntime.SessionOptions(), providers=providers())
         self.voice = PiperVoice(config=PiperConfig.from_dict(config), session=session)
         self.speakers: dict[str, int] = config.get("speaker_id_map") or {}
 
@@ -86,7 +81,7 @@ class KokoroFamily(Voice):
             from kokoro_onnx import Kokoro
         except ImportError as exc:
             raise ModelNotAvailable("Kokoro voices need the kokoro-onnx package (pip install kokoro-onnx)") from exc
-        session = onnxruntime.InferenceSession(graph, providers=_providers())
+        session = onnxruntime.InferenceSession(graph, providers=providers())
         self.kokoro = Kokoro.from_session(session, str(voices))
 
     def synthesize(self, text: str, voice: str, speed: float) -> tuple[np.ndarray, int]:

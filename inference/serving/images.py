@@ -33,7 +33,7 @@ from inference.protocol import parse_body
 from inference.protocol_media import MAX_SEED, ImageGenerationRequest, ImageUpscaleRequest
 from inference.serving import image_input
 from inference.serving.context import RequestContext, resolve_model
-from inference.wire import Done, ImageData, Started
+from inference.wire import Done, ImageData, ImageWork, Started
 from logs.models import ImageJob
 
 # What the edit and variation routes take as references (spec §11).
@@ -65,8 +65,7 @@ async def create_images(
     model = await _image_model(client, body.model, ctx)
     references = await _spool_uploads(uploads, ctx.request_id)
     seed = body.seed if body.seed is not None else secrets.randbelow(2**32)
-    spec = dict(
-        model=model,
+    fields = dict(
         op=op,
         prompt=body.prompt,
         negative_prompt=body.negative_prompt or "",
@@ -78,7 +77,7 @@ async def create_images(
         seed=min(seed, MAX_SEED - body.n),
         reference_paths=[str(p) for p in references],
     )
-    return await _run(spec, references, ctx, owner, body.n)
+    return await _run(model, fields, references, ctx, owner, body.n)
 
 
 async def upscale_image(client: InferenceClient, data: Any, ctx: RequestContext, owner: str | None) -> HttpResponseBase:
@@ -90,13 +89,8 @@ async def upscale_image(client: InferenceClient, data: Any, ctx: RequestContext,
     _check_reference(image, "image")
     model = await _image_model(client, body.model, ctx)
     references = await _spool([image], ctx.request_id)
-    spec = dict(
-        model=model,
-        op="upscale",
-        upscale_factor=body.upscale_factor,
-        reference_paths=[str(p) for p in references],
-    )
-    return await _run(spec, references, ctx, owner, 1)
+    fields = dict(op="upscale", upscale_factor=body.upscale_factor, reference_paths=[str(p) for p in references])
+    return await _run(model, fields, references, ctx, owner, 1)
 
 
 async def _image_model(client: InferenceClient, name: str, ctx: RequestContext) -> str:
@@ -108,24 +102,24 @@ async def _image_model(client: InferenceClient, name: str, ctx: RequestContext) 
 
 
 async def _run(
-    fields: dict[str, Any], references: list[Path], ctx: RequestContext, owner: str | None, n: int
+    model: str, fields: dict[str, Any], references: list[Path], ctx: RequestContext, owner: str | None, n: int
 ) -> JsonResponse:
     """Hand the job to Celery, wait for its images, and answer them (or its error)."""
     feed: JobFeed | None = None
     job_id = "img-" + uuid.uuid4().hex
     try:
         feed = await JobFeed.open()
-        spec = ImageJobSpec(
-            request_id=ctx.request_id,
-            progress_channel=feed.channel,
+        work = ImageWork(
+            output_dir=str(settings.HYPNOS.data_dir / "spool" / "images" / job_id),
             max_pixels=settings.HYPNOS.limits.max_image_pixels,
             **fields,
         )
+        spec = ImageJobSpec(model=model, request_id=ctx.request_id, work=work, progress_channel=feed.channel)
         await ImageJob.objects.acreate(
             id=job_id,
             request_id=ctx.request_id,
-            model=spec.model,
-            op=spec.op,
+            model=model,
+            op=work.op,
             owner=owner or "",
             spec=spec.model_dump(),
             images_total=n,

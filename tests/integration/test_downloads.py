@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -115,6 +116,15 @@ class HubHandler(BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         pass
+
+
+def settled_count(state: HubState, expected: int, timeout: float = 5.0) -> bool:
+    """The server counts what it sent after writing it, on its own thread: a client that has
+    read every byte may look before that count lands."""
+    deadline = time.monotonic() + timeout
+    while state.sent != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return state.sent == expected
 
 
 class HubServer(ThreadingHTTPServer):
@@ -274,7 +284,7 @@ def test_the_next_run_fetches_only_what_an_interrupted_run_left_out(catalog, hub
     assert kept == state.sent == 3 * state.drop_after and not (tmp_path / "tiny-F16.gguf").exists()
     state.sent = 0
     fetchmodels(catalog, tmp_path, "tiny:1b")
-    assert state.sent == len(PAYLOAD) - kept and state.requests[-1]["range"] == f"bytes={kept}-"
+    assert settled_count(state, len(PAYLOAD) - kept) and state.requests[-1]["range"] == f"bytes={kept}-"
     assert (tmp_path / "tiny-F16.gguf").read_bytes() == PAYLOAD and not part.exists()
 
 
@@ -447,7 +457,7 @@ def test_the_next_run_resumes_an_unsized_file_when_the_server_states_its_full_le
     kept = (tmp_path / "tiny-F16.gguf.part").stat().st_size
     state.sent = 0
     assert "(downloaded)" in fetchmodels(catalog, tmp_path, "unsized")
-    assert state.sent == len(PAYLOAD) - kept and state.requests[-1]["range"] == f"bytes={kept}-"
+    assert settled_count(state, len(PAYLOAD) - kept) and state.requests[-1]["range"] == f"bytes={kept}-"
     assert (tmp_path / "tiny-F16.gguf").read_bytes() == PAYLOAD
 
 

@@ -77,7 +77,9 @@ async def test_speech_and_transcription_feed_their_real_time_factors(api, settin
     assert speech.status_code == 200
     form = {"model": "whisper-tiny.en", "file": SimpleUploadedFile("speech.wav", speech.content, "audio/wav")}
     transcript = await api.post("/v1/audio/transcriptions", form, headers=AUTH)
-    assert transcript.status_code == 200 and "Paris" in transcript.json()["text"]
+    # What the metrics need is a transcription (Whisper tiny.en mishears Piper's sampled speech
+    # now and then: the word-for-word round trip is test_audio.py's, with its allowance).
+    assert transcript.status_code == 200 and transcript.json()["text"].strip()
     samples = await scrape(api, **AUTH)
     tts, stt = (("model", "piper-joe"),), (("model", "whisper-tiny.en"),)
     assert samples["hypnos_tts_rtf_count"][tts] == 1 and samples["hypnos_tts_rtf_sum"][tts] > 0

@@ -40,7 +40,6 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -256,24 +255,19 @@ def _describe(sample: Sample) -> str:
 # -- the engines, called directly ----------------------------------------------------------------
 
 
-class DirectMoves:
-    """What ChatExtractor asks of the worker's TierMoves, for an engine this process loaded
-    itself: each chat prepared (rendered, tokenised, its grammar built) and checked against the
-    context, as TierMoves.prepare_chat does once the model is in tier 1; nothing moves."""
+def prepared_here(engine: Any, limits: LimitsConfig) -> Any:
+    """ChatExtractor's prepare_chat for an engine this process loaded itself: each chat
+    prepared (rendered, tokenised, its grammar built) and checked against the context, as
+    TierMoves.prepare_chat does once the model is in tier 1; nothing moves."""
+    from inference.worker.tier_moves import TierSwitch
+    from memory.tiers import MemoryTier
 
-    def prepare_chat(self, runtime: Any, engine: Any, work: Any, limits: LimitsConfig) -> tuple[Any, Any]:
-        from inference.worker.tier_moves import TierSwitch
-        from memory.tiers import MemoryTier
-
+    def prepare(work: Any) -> tuple[Any, Any]:
         prepared = engine.prepare_chat(work, limits)
         engine.check_context(prepared)
         return prepared, TierSwitch(previous_tier=MemoryTier.TIER1)
 
-    def ensure_tier1(self, runtime: Any, context_len: int) -> Any:
-        from inference.worker.tier_moves import TierSwitch
-        from memory.tiers import MemoryTier
-
-        return TierSwitch(previous_tier=MemoryTier.TIER1)
+    return prepare
 
 
 def chat_direct(engine: Any, model: ModelConfig, limits: LimitsConfig) -> Call:
@@ -282,11 +276,9 @@ def chat_direct(engine: Any, model: ModelConfig, limits: LimitsConfig) -> Call:
     from inference.wire import EntityWork
     from inference.worker.entities import ChatExtractor
 
-    runtime = SimpleNamespace(config=model)
-
     def call(texts: list[str]) -> tuple[list[list[Found]], float | None]:
         work = EntityWork(input=texts, labels=LABELS, threshold=THRESHOLD, flat=FLAT)
-        extractor = ChatExtractor(DirectMoves(), runtime, engine, work, threading.Event(), limits)
+        extractor = ChatExtractor(engine, work, threading.Event(), prepared_here(engine, limits))
         extractor.prepare()
         started = time.perf_counter()
         found = [extractor.extract(index) for index in range(len(texts))]

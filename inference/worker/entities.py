@@ -19,6 +19,7 @@ import math
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -73,8 +74,10 @@ def serve_entities(
         timings: dict[str, Any] = {}
         usage = None
     else:
-        extractor = ChatExtractor(moves, runtime, engine, work, lease.cancel, limits)
-        switch = extractor.prepare()
+        extractor = ChatExtractor(
+            engine, work, lease.cancel, lambda chat: moves.prepare_chat(runtime, engine, chat, limits)
+        )
+        switch = extractor.prepare() or moves.ensure_tier1(runtime, runtime.config.context_len)
         sink(Started(previous_tier=str(switch.previous_tier)))
         started = time.perf_counter()
         with lease.generating():
@@ -168,23 +171,23 @@ class ChatExtractor:
 
     def __init__(
         self,
-        moves: TierMoves,
-        runtime: ModelRuntime,
         engine: Engine,
         work: EntityWork,
         cancel: threading.Event,
-        limits: LimitsConfig,
+        prepare_chat: Callable[[ChatWork], tuple[ChatWork, TierSwitch]],
     ):
-        self.moves, self.runtime, self.engine, self.work, self.cancel = moves, runtime, engine, work, cancel
-        self.limits = limits
+        """`prepare_chat` brings the model to tier 1 with room for a chat and prepares it (the
+        worker's TierMoves.prepare_chat, or a stand-in where no worker runs: bench/entities.py)."""
+        self.engine, self.work, self.cancel, self.prepare_chat = engine, work, cancel, prepare_chat
         self.schema = entity_schema(work.labels)
         # None for a blank text: nothing to ask the model.
         self.prepared: list[ChatWork | None] = []
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         self.prefill_ms = self.decode_ms = 0.0
 
-    def prepare(self) -> TierSwitch:
-        """Every text's chat prepared (tokenised, its grammar built, its context checked)."""
+    def prepare(self) -> TierSwitch | None:
+        """Every text's chat prepared (tokenised, its grammar built, its context checked); what
+        moving the model cost (None when every text is blank: nothing asked the model)."""
         switch: TierSwitch | None = None
         for text in self.work.input:
             if not text.strip():
@@ -199,13 +202,13 @@ class ChatExtractor:
                 prompt_param="input",
                 schema_param="labels",
             )
-            prepared, moved = self.moves.prepare_chat(self.runtime, self.engine, chat, self.limits)
+            prepared, moved = self.prepare_chat(chat)
             if switch is None:
                 switch = moved
             else:
                 switch.absorb(moved)
             self.prepared.append(prepared)
-        return switch or self.moves.ensure_tier1(self.runtime, self.runtime.config.context_len)
+        return switch
 
     def _answer_budget(self, text: str) -> int:
         # An answer cut short still gives the entities it completed (answer_entities).

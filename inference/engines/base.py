@@ -188,8 +188,10 @@ class Engine(ABC):
 
     @property
     def context_len(self) -> int:
-        """The context the loaded engine funds (0 when not loaded or not a text model)."""
-        return 0
+        """The context the loaded engine funds (0 when not loaded). An engine without a text
+        context funds its block's once loaded, so a loaded model is never loaded again for a
+        request (TierMoves.ensure_tier1 compares this with what the request needs)."""
+        return self.model.context_len if self.loaded else 0
 
     @property
     def trained_context_len(self) -> int:

@@ -114,12 +114,6 @@ class DoclingEngine(Engine):
     def loaded(self) -> bool:
         return self._reader is not None
 
-    @property
-    def context_len(self) -> int:
-        """No token context: a loaded engine counts as funding the block's, so the tier moves
-        never reload it for a larger one."""
-        return self.model.context_len if self.loaded else 0
-
     def footprint(self) -> Footprint:
         return footprint_from_files(self.files, WORKSPACE_BYTES)
 

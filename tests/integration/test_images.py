@@ -355,3 +355,14 @@ async def test_a_failure_mid_batch_answers_the_error_not_a_partial_list(api, wor
     job = await ImageJob.objects.filter(images_total=4).alatest("created_at")
     assert job.state == "failed" and job.images_done == 2
     await assert_nothing_left(worker)
+
+
+async def test_a_loaded_image_model_serves_the_next_request_without_a_switch(api):
+    await generate(api, seed=1)
+    again = await generate(api, seed=2)
+    assert again["hypnos_telemetry"]["previous_tier"] == "tier1_gpu_vram"
+    assert again["hypnos_telemetry"]["tier_switch_latency_ms"] == 0
+    upscale = {"model": UPSCALER, "image": as_b64(picture(32, 32)), "upscale_factor": 2}
+    await post_json(api, UPSCALE, upscale)
+    second = (await post_json(api, UPSCALE, upscale)).json()["hypnos_telemetry"]
+    assert second["previous_tier"] == "tier1_gpu_vram" and second["tier_switch_latency_ms"] == 0

@@ -131,3 +131,10 @@ async def test_a_client_that_leaves_stops_the_batch_after_the_current_image(api,
         await asyncio.sleep(0.1)
     assert job.state == "cancelled" and job.images_done < 4
     assert await wait_until(lambda: flux.tiers.leases(FLUX) == 0, 60)
+
+
+async def test_a_loaded_diffusion_model_serves_the_next_request_without_a_switch(api, flux):
+    await generate(api, size="256x256", seed=1)
+    again = await generate(api, size="256x256", seed=2)
+    assert again["hypnos_telemetry"]["previous_tier"] == "tier1_gpu_vram"
+    assert again["hypnos_telemetry"]["tier_switch_latency_ms"] == 0

@@ -62,6 +62,10 @@ async def run_job(job_id: str, client: InferenceClient, layer: Any) -> dict[str,
         await _set(job, state="cancelled", finished_at=timezone.now())
         return None
     except Exception as exc:
+        if await ImageJob.objects.filter(pk=job_id, cancel_requested=True).aexists():
+            # The client left while the work failed (its references may be gone): cancelled.
+            await _set(job, state="cancelled", finished_at=timezone.now())
+            return None
         if isinstance(exc, HypnosError):
             error = exc
         else:

@@ -207,6 +207,19 @@ async def cancel(rows: Any, job_id: str) -> None:
         log.exception("job %s: the cancellation did not get through", job_id)
 
 
+async def never_started(rows: Any, job_id: str) -> bool:
+    """After `cancel`: true when the job had not started, and now never will (its row is marked
+    cancelled), so the web process removes the files it spooled for it."""
+    try:
+        updated = await rows.objects.filter(pk=job_id, state="queued").aupdate(
+            state="cancelled", finished_at=timezone.now()
+        )
+    except Exception:  # the database is gone: the files stay for the job, if it ever runs
+        log.exception("job %s: its state could not be read", job_id)
+        return False
+    return bool(updated)
+
+
 async def mark_lost(rows: Any, job_id: str, message: str) -> None:
     """A job that went silent cannot say so itself: its row says it failed, for the operator."""
     await rows.objects.filter(pk=job_id, state__in=("queued", "running")).aupdate(

@@ -58,6 +58,7 @@ async def convert_document(
     path = await _spool(body, upload, ctx.request_id)
     feed: JobFeed | None = None
     job_id = "job-" + uuid.uuid4().hex
+    dispatched = False
     try:
         feed = await JobFeed.open()
         spec = ConversionSpec(
@@ -82,12 +83,15 @@ async def convert_document(
             spec=spec.model_dump(),
         )
         await _dispatch(job_id)
+        # From here the job owns the spool file: it removes it when it ends.
+        dispatched = True
         opened = await feed.next_event()
         if not isinstance(opened, DocumentOpened):
             raise ModelNotAvailable(f"the job answered {opened.kind!r} before opening the document")
     except BaseException:
-        path.unlink(missing_ok=True)
         await _cancel(job_id)
+        if not dispatched or await jobs.never_started(DocumentJob, job_id):
+            path.unlink(missing_ok=True)
         if feed is not None:
             feed.close()
         raise

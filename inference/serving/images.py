@@ -107,6 +107,7 @@ async def _run(
     """Hand the job to Celery, wait for its images, and answer them (or its error)."""
     feed: JobFeed | None = None
     job_id = "img-" + uuid.uuid4().hex
+    dispatched = False
     try:
         feed = await JobFeed.open()
         work = ImageWork(
@@ -127,13 +128,16 @@ async def _run(
         from inference.tasks import make_images
 
         await jobs.dispatch(make_images, job_id)
+        # From here the job owns the reference files: it removes them when it ends.
+        dispatched = True
         started = await feed.next_event()
         if not isinstance(started, Started):
             raise ModelNotAvailable(f"the job answered {started.kind!r} before it started")
     except BaseException:
-        for path in references:
-            path.unlink(missing_ok=True)
         await jobs.cancel(ImageJob, job_id)
+        if not dispatched or await jobs.never_started(ImageJob, job_id):
+            for path in references:
+                path.unlink(missing_ok=True)
         if feed is not None:
             feed.close()
         raise

@@ -307,10 +307,10 @@ async def test_an_upscale_beyond_the_pixel_cap_is_refused(api, worker, settings)
 
 
 async def test_a_client_that_leaves_stops_the_job_between_tiles(api, worker):
-    """A 512x512 picture at 4x is 16 tiles of seconds each here: the client leaves after the
-    job started, and the job ends cancelled long before the last tile."""
+    """A 768x768 picture at 4x is 36 tiles (5-40 s here, by the machine's load): the client
+    leaves once the job holds the model, and the job ends cancelled long before the last tile."""
     request = asyncio.ensure_future(
-        post_json(api, UPSCALE, {"model": UPSCALER, "image": as_b64(picture(512, 512)), "upscale_factor": 4})
+        post_json(api, UPSCALE, {"model": UPSCALER, "image": as_b64(picture(768, 768)), "upscale_factor": 4})
     )
     assert await wait_until(lambda: worker.tiers.leases(UPSCALER) == 1, 60)
     request.cancel()
@@ -323,7 +323,7 @@ async def test_a_client_that_leaves_stops_the_job_between_tiles(api, worker):
         return found
 
     final = await asyncio.wait_for(ended(), 30)
-    assert final.state == "cancelled" and final.cancel_requested and final.images_done == 0
+    assert final.state == "cancelled" and final.cancel_requested and final.images_done == 0, (final.state, final.error)
     await assert_nothing_left(worker)
 
 

@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -210,13 +210,12 @@ class Series:
     warmup: Sample | None = None
     runs: list[Sample] = field(default_factory=list)
     discarded: list[Sample] = field(default_factory=list)
+    # The rounds the figures come from (count_quiet_rounds).
+    counted_rounds: list[int] = field(default_factory=list)
 
     @property
     def counted(self) -> list[Sample]:
-        """The passes the figures come from: the undisturbed ones when there are any (a pass
-        during which other processes held a core runs 2-5 times slower here: the engines'
-        threads wait for each other), else every kept pass."""
-        return [s for s in self.runs if not s.disturbed] or self.runs
+        return [self.runs[i] for i in self.counted_rounds if i < len(self.runs)]
 
     def median(self, name: str) -> float | None:
         values = [getattr(s, name) for s in self.counted if getattr(s, name) is not None]
@@ -627,6 +626,17 @@ def bench_case(
     return list(series.values()), checker
 
 
+def count_quiet_rounds(series: list[Series]) -> None:
+    """The rounds a case's figures come from: those where no target's pass was disturbed, when
+    there are any, else every round. A pass during which other processes held a core runs 2-5
+    times slower here (the engines' threads wait for each other at every layer), so one
+    disturbed pass in a round would decide its ratio."""
+    rounds = range(min(len(s.runs) for s in series))
+    quiet = [i for i in rounds if not any(s.runs[i].disturbed for s in series)]
+    for s in series:
+        s.counted_rounds = quiet or list(rounds)
+
+
 class PngCheck:
     """Every pass's PNGs against the first pass's of the engine (or of the first target where
     the engine does not run): seeded, they must be the same bytes. A difference is logged at
@@ -699,14 +709,13 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 
 def paired_ratio(series: Series, engine: Series | None, name: str) -> float | None:
-    """The median, over the rounds, of the series' rate over the engine's `name` rate in the
-    same round (a minute apart at most, so a slow drift of the machine's load cancels); over
-    the rounds where neither pass was disturbed when there are any, else over every round."""
+    """The median, over the counted rounds, of the series' rate over the engine's `name` rate
+    in the same round (a minute apart at most, so a slow drift of the machine's load cancels)."""
     if engine is None:
         return None
-    rounds = [(s, e) for s, e in zip(series.runs, engine.runs, strict=False) if getattr(e, name)]
-    quiet = [(s, e) for s, e in rounds if not (s.disturbed or e.disturbed)]
-    pairs = [s.rate / getattr(e, name) for s, e in quiet or rounds]
+    pairs = [
+        s.rate / getattr(e, name) for s, e in zip(series.counted, engine.counted, strict=False) if getattr(e, name)
+    ]
     return statistics.median(pairs) if pairs else None
 
 
@@ -724,6 +733,7 @@ def summary(results: list[Series], cases: list[Case], checks: dict[str, PngCheck
             "case": case.name,
             "unit": case.unit,
             "runs": len(series.runs),
+            "quiet_rounds": len(series.counted) if all(not s.disturbed for s in series.counted) else 0,
             "disturbed_runs": sum(s.disturbed for s in series.runs),
             "discarded_runs": len(series.discarded),
         }
@@ -832,7 +842,7 @@ def render(header: list[str], body: list[list[str]], left: int) -> str:
 
 def render_table(rows: list[dict[str, Any]]) -> str:
     header = ["case", "target", "unit", "rate", "vs engine+png", f">= {TARGET_RATIO:g}", "vs engine"]
-    header += ["ms/request", "worker ms/request", "PNGs", "quiet"]
+    header += ["ms/request", "worker ms/request", "PNGs", "quiet rounds"]
     body = [
         [
             row["case"],
@@ -845,7 +855,7 @@ def render_table(rows: list[dict[str, Any]]) -> str:
             _fmt(row["ms_per_request"]),
             _fmt(row["worker_ms_per_request"]),
             row["pngs"],
-            f"{row['runs'] - row['disturbed_runs']}/{row['runs']}",
+            f"{row['quiet_rounds']}/{row['runs']}",
         ]
         for row in rows
     ]
@@ -872,6 +882,13 @@ def machine_line(settings: Settings, load_before: tuple[float, float, float], di
         f"{version('onnxruntime')}, ncnn {version('ncnn')}{sdcpp}, Pillow {version('pillow')}; "
         f"{settings.threads} engine threads; distributed database {settings.database}"
     )
+
+
+def _version_or_none(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def _diffusion_available() -> bool:
@@ -933,6 +950,7 @@ def write_json(path: Path, settings: Settings, results: list[Series], tables: di
             "onnxruntime": version("onnxruntime"),
             "ncnn": version("ncnn"),
             "pillow": version("pillow"),
+            "stable_diffusion_cpp_python": _version_or_none("stable-diffusion-cpp-python"),
         },
         **tables,
         "series": [asdict(series) for series in results],
@@ -1008,6 +1026,7 @@ def run_targets(
         pids = own_pids([p for d in deployments for p in d.procs], any(d.name == "distributed" for d in deployments))
         for case in cases:
             series, checks[case.name] = bench_case(case, passes, settings, pids)
+            count_quiet_rounds(series)
             for deployment in deployments:
                 add_job_times([s for s in series if s.target == deployment.name], deployment)
             reference = checks[case.name].reference

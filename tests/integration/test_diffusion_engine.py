@@ -6,7 +6,6 @@ cancellation, tiers, memory, refusals), not what a picture shows."""
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,17 +17,11 @@ import pytest
 from hypnos_site.config import ImageConfig, ModelConfig
 from hypnos_site.errors import Cancelled, ModelNotAvailable
 from inference.engines.base import ImageSpec, engine_class
+
+# stable-diffusion-cpp-python is built by ./run.sh (setup_sdcpp) like llama-cpp-python: a
+# machine without it fails here, as every llama test does without llama_cpp.
+from inference.engines.diffusion import WORKSPACE_BYTES, DiffusionEngine
 from tests.diffusion_model import TinyDiffusionModel, build_tiny_diffusion_model
-
-try:
-    import stable_diffusion_cpp  # noqa: F401
-except ImportError as exc:  # the wheel ./run.sh builds once per machine (setup_sdcpp)
-    message = f"stable-diffusion-cpp-python is not installed ({exc}); ./run.sh setup builds it"
-    if os.environ.get("CI"):
-        pytest.fail(message, pytrace=False)
-    pytest.skip(message, allow_module_level=True)
-
-from inference.engines.diffusion import WORKSPACE_BYTES, DiffusionEngine  # noqa: E402
 
 SIZE = 64
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import os
 
 import pytest
 from PIL import Image
@@ -17,18 +16,8 @@ from PIL import Image
 from hypnos_site.config import ImageConfig, ModelConfig
 from inference.worker import Worker
 from logs.models import ImageJob
+from tests.diffusion_model import TinyDiffusionModel, build_tiny_diffusion_model
 from tests.integration.conftest import post_json, wait_until
-
-try:
-    import stable_diffusion_cpp  # noqa: F401
-except ImportError as exc:  # pragma: no cover - set-up builds it; CI must have it
-    if os.environ.get("CI"):
-        raise
-    pytest.skip(
-        f"stable-diffusion-cpp-python is not installed ({exc}); ./run.sh setup builds it", allow_module_level=True
-    )
-
-from tests.diffusion_model import TinyDiffusionModel, build_tiny_diffusion_model  # noqa: E402
 
 pytestmark = pytest.mark.django_db(transaction=True)
 FLUX = "tiny-flux2-klein"

@@ -25,14 +25,12 @@ import json
 import logging
 import os
 import platform
-import secrets
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -46,19 +44,13 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from bench.chat_stream import (  # noqa: E402
-    READY_TIMEOUT_SECS,
     CpuMeter,
     Proc,
-    _clear_redis,
     _stop_on_sigterm,
-    free_port,
-    migrate,
     redis_server_pids,
-    server_env,
-    start_proc,
-    wait_ready,
     wait_until_quiet,
 )
+from bench.deployments import running_server  # noqa: E402
 from hypnos_site.config import ModelConfig, load_config  # noqa: E402
 from tests import documents  # noqa: E402
 
@@ -310,6 +302,7 @@ def _engine_convert(engine: Any, doc: Document) -> Sample:
 
 def write_config(directory: Path, weights: Path, threads: int) -> Path:
     """The one docling model (absolute path to its OCR models) and the benchmark's threads."""
+    directory.mkdir(parents=True, exist_ok=True)
     path = directory / "hypnos.toml"
     path.write_text(
         f"""\
@@ -325,71 +318,6 @@ initial_tier = "tier3_nvme_ssd"
 """
     )
     return path
-
-
-def start_celery(env: dict[str, str], log_dir: Path) -> Proc:
-    """The distributed deployment's job worker, as `./run.sh jobs` starts it, on this run's queue;
-    returns once it says it is ready."""
-    args = ["-m", "celery", "-A", "hypnos_site", "worker", "--pool", "threads", "--concurrency", "2"]
-    args += ["--queues", f"{env['HYPNOS_CHANNEL_PREFIX']}.jobs", "--loglevel", "INFO"]
-    args += ["--hostname", f"hypnos-bench-{secrets.token_hex(3)}@%h"]
-    proc = start_proc("celery", args, env, log_dir)
-    deadline = time.monotonic() + READY_TIMEOUT_SECS
-    while time.monotonic() < deadline:
-        if proc.popen.poll() is not None:
-            raise RuntimeError(f"celery exited with {proc.popen.returncode}:\n{proc.tail()}")
-        if " ready." in proc.log_path.read_text(errors="replace"):
-            return proc
-        time.sleep(0.2)
-    proc.stop()
-    raise RuntimeError(f"celery not ready within {READY_TIMEOUT_SECS:g} s:\n{proc.tail()}")
-
-
-@contextmanager
-def database_url(deployment: str, database: str) -> Iterator[str | None]:
-    """The distributed deployment's database: chat_stream.py's SQLite file (None: server_env's
-    default), or a PostgreSQL database of its own (bench/load.py's), dropped afterwards."""
-    if deployment != "distributed" or database == "sqlite":
-        yield None
-        return
-    from bench.load import postgres_database
-
-    with postgres_database() as url:
-        yield url
-
-
-@contextmanager
-def running_server(
-    deployment: str, settings: Settings, weights: Path, work_dir: Path
-) -> Iterator[tuple[str, list[Proc]]]:
-    """Start one deployment; yield its base URL and processes; stop them all."""
-    data_dir = work_dir / deployment
-    data_dir.mkdir()
-    port = free_port()
-    env = server_env(deployment, write_config(data_dir, weights, settings.threads), data_dir, port)
-    procs: list[Proc] = []
-    with database_url(deployment, settings.database) as url:
-        if url:
-            env["HYPNOS_DATABASE_URL"] = url
-        migrate(env)
-        try:
-            if deployment == "distributed":
-                procs.append(start_proc("runinference", ["manage.py", "runinference"], env, data_dir))
-            procs.append(start_proc(f"serve-{deployment}", ["-m", "hypnos_site.serve"], env, data_dir))
-            base_url = f"http://127.0.0.1:{port}"
-            log.info("%s: ready after %.1f s on %s", deployment, wait_ready(base_url, procs), base_url)
-            if deployment == "distributed":
-                procs.append(start_celery(env, data_dir))
-            yield base_url, procs
-        except BaseException:
-            for proc in procs:
-                log.error("%s output (last lines):\n%s", proc.name, proc.tail())
-            raise
-        finally:
-            for proc in reversed(procs):  # the job worker and the web process first, then the worker
-                proc.stop()
-            if deployment == "distributed":
-                _clear_redis(env["HYPNOS_CHANNEL_PREFIX"])
 
 
 def server_convert(client: httpx.Client, base_url: str, doc: Document, body: bytes, stream: bool) -> Sample:
@@ -443,8 +371,9 @@ def bench_server(
 ) -> list[Series]:
     """Start the deployment, convert every file (non-streamed, then streamed), stop it."""
     results = []
-    with running_server(deployment, settings, weights, work_dir) as (base_url, procs):
-        pids = own_pids(procs, deployment == "distributed")
+    config = write_config(work_dir / f"{deployment}-config", weights, settings.threads)
+    with running_server(deployment, config, work_dir, settings.database) as server:
+        base_url, pids = server.base_url, own_pids(server.procs, deployment == "distributed")
         with httpx.Client(timeout=REQUEST_TIMEOUT_SECS) as client:
             for stream in (False, True) if settings.streamed else (False,):
                 target = f"{deployment} stream" if stream else deployment

@@ -51,15 +51,10 @@ import httpx  # noqa: E402
 from bench.chat_stream import (  # noqa: E402
     CpuMeter,
     Proc,
-    _clear_redis,
     _stop_on_sigterm,
-    free_port,
-    migrate,
-    server_env,
-    start_proc,
-    wait_ready,
     wait_until_quiet,
 )
+from bench.deployments import running_server  # noqa: E402
 from bench.documents import own_pids  # noqa: E402
 from hypnos_site.config import HypnosConfig, LimitsConfig, ModelConfig, load_config  # noqa: E402
 
@@ -436,33 +431,6 @@ def known_gliner_spans(settings: Settings) -> list[list[Found]]:
     return [[_found(s.start, s.end, s.label, s.score) for s in select_spans(candidates(t), FLAT)] for t in TEXTS]
 
 
-@contextmanager
-def running_server(deployment: str, config: Path, work_dir: Path) -> Iterator[tuple[str, list[Proc]]]:
-    """Start one deployment on the run's config; yield its base URL and processes; stop them."""
-    data_dir = work_dir / deployment
-    data_dir.mkdir()
-    port = free_port()
-    env = server_env(deployment, config, data_dir, port)
-    migrate(env)
-    procs: list[Proc] = []
-    try:
-        if deployment == "distributed":
-            procs.append(start_proc("runinference", ["manage.py", "runinference"], env, data_dir))
-        procs.append(start_proc(f"serve-{deployment}", ["-m", "hypnos_site.serve"], env, data_dir))
-        base_url = f"http://127.0.0.1:{port}"
-        log.info("%s: ready after %.1f s on %s", deployment, wait_ready(base_url, procs), base_url)
-        yield base_url, procs
-    except BaseException:
-        for proc in procs:
-            log.error("%s output (last lines):\n%s", proc.name, proc.tail())
-        raise
-    finally:
-        for proc in reversed(procs):  # the web process first, then the worker
-            proc.stop()
-        if deployment == "distributed":
-            _clear_redis(env["HYPNOS_CHANNEL_PREFIX"])
-
-
 def server_call(client: httpx.Client, base_url: str, model_id: str) -> Call:
     """One POST /v1/entities of the texts; the spans as the answer gives them, and the worker's
     inference_latency_ms."""
@@ -734,8 +702,9 @@ def run_targets(targets: list[str], extractors: list[str], settings: Settings) -
         base_urls: dict[str, str] = {}
         procs: list[Proc] = []
         for deployment in (t for t in targets if t in SERVERS):
-            base_urls[deployment], started = servers.enter_context(running_server(deployment, config_path, work_dir))
-            procs += started
+            server = servers.enter_context(running_server(deployment, config_path, work_dir))
+            base_urls[deployment] = server.base_url
+            procs += server.procs
         client = servers.enter_context(httpx.Client(timeout=REQUEST_TIMEOUT_SECS))
         pids = own_pids(procs, "distributed" in base_urls)
         for extractor in extractors:

@@ -61,17 +61,11 @@ from PIL import Image, ImageDraw, ImageFont  # noqa: E402
 
 from bench.chat_stream import (  # noqa: E402
     CpuMeter,
-    Proc,
-    _clear_redis,
     _stop_on_sigterm,
-    free_port,
-    migrate,
-    server_env,
-    start_proc,
-    wait_ready,
     wait_until_quiet,
 )
-from bench.documents import database_url, own_pids, start_celery  # noqa: E402
+from bench.deployments import Deployment, running_server  # noqa: E402
+from bench.documents import own_pids  # noqa: E402
 from hypnos_site.config import HypnosConfig, ImageConfig, ModelConfig, load_config  # noqa: E402
 
 log = logging.getLogger("bench.images")
@@ -429,49 +423,6 @@ def write_config(directory: Path, threads: int, diffusion: Path | None) -> Path:
 def _block(fields: dict[str, Any]) -> str:
     # JSON's strings, integers and booleans are TOML's too.
     return "[[models]]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in fields.items())
-
-
-@dataclass(frozen=True)
-class Deployment:
-    """A running deployment: where to send requests, and where its job rows are."""
-
-    name: str
-    base_url: str
-    procs: list[Proc]
-    database: str
-
-
-@contextmanager
-def running_server(deployment: str, config: Path, work_dir: Path, database: str) -> Iterator[Deployment]:
-    """Start one deployment on the run's config; yield it; stop its processes (the job worker
-    and the web process first, then the inference worker)."""
-    data_dir = work_dir / deployment
-    data_dir.mkdir()
-    port = free_port()
-    env = server_env(deployment, config, data_dir, port)
-    procs: list[Proc] = []
-    with database_url(deployment, database) as url:
-        if url:
-            env["HYPNOS_DATABASE_URL"] = url
-        migrate(env)
-        try:
-            if deployment == "distributed":
-                procs.append(start_proc("runinference", ["manage.py", "runinference"], env, data_dir))
-            procs.append(start_proc(f"serve-{deployment}", ["-m", "hypnos_site.serve"], env, data_dir))
-            base_url = f"http://127.0.0.1:{port}"
-            log.info("%s: ready after %.1f s on %s", deployment, wait_ready(base_url, procs), base_url)
-            if deployment == "distributed":
-                procs.append(start_celery(env, data_dir))
-            yield Deployment(deployment, base_url, procs, url or f"sqlite:///{data_dir / 'hypnos.sqlite3'}")
-        except BaseException:
-            for proc in procs:
-                log.error("%s output (last lines):\n%s", proc.name, proc.tail())
-            raise
-        finally:
-            for proc in reversed(procs):
-                proc.stop()
-            if deployment == "distributed":
-                _clear_redis(env["HYPNOS_CHANNEL_PREFIX"])
 
 
 def server_pass(client: httpx.Client, deployment: Deployment, pictures: dict[int, str]) -> Pass:

@@ -198,7 +198,6 @@ class GlinerEngine(Engine):
         self._pad_id = 0
         self._session: onnxruntime.InferenceSession | None = None
         self._input_dtypes: dict[str, type[np.generic]] = {}
-        self._context_len = 0
 
     def _find_graph(self) -> tuple[Path, Path]:
         """The graph to run and the folder holding its tokenizer and config."""
@@ -226,10 +225,6 @@ class GlinerEngine(Engine):
     @property
     def loaded(self) -> bool:
         return self._session is not None
-
-    @property
-    def context_len(self) -> int:
-        return self._context_len
 
     def footprint(self) -> Footprint:
         return footprint_from_files(self.files, WORKSPACE_BYTES)
@@ -272,7 +267,6 @@ class GlinerEngine(Engine):
         session = open_session(self.model.id, self._warm.path, self.graph, self.n_threads)
         self._input_dtypes = self._check_signature(session)
         self._session = session
-        self._context_len = context_len
         total_ms = (time.perf_counter() - started) * 1000
         return LoadPhases(load_mode=mode, weights_ms=weights_ms or total_ms, context_ms=0.0, total_ms=total_ms)
 
@@ -297,7 +291,6 @@ class GlinerEngine(Engine):
 
     def unload(self) -> None:
         self._session = None
-        self._context_len = 0
 
     def cool(self) -> None:
         self.unload()

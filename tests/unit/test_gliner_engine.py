@@ -396,7 +396,7 @@ def test_the_tiers_warm_load_from_the_memfd_unload_and_cool(tmp_path):
         f.rename(f.with_name(f.name + ".away"))
     try:
         phases = engine.load(512, 0)
-        assert engine.loaded and engine.context_len == 512 and phases.load_mode == "mmap"
+        assert engine.loaded and engine.context_len == engine.model.context_len and phases.load_mode == "mmap"
         assert_spans(extract(engine, [MARIO], ["city"])[0], [entity(MARIO, "Milan", "city", 2.5)])
         engine.unload()
         assert not engine.loaded and engine.warm_bytes > 0

@@ -23,7 +23,8 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -184,6 +185,40 @@ async def dispatch(task: Any, job_id: str) -> None:
         await asyncio.to_thread(task.apply_async, args=(job_id,), task_id=job_id)
     except Exception as exc:  # the broker is unreachable
         raise ModelNotAvailable(f"The job broker is unreachable: {type(exc).__name__}: {exc}") from exc
+
+
+async def start(
+    rows: Any,
+    job_id: str,
+    task: Any,
+    create_row: Callable[[str], Awaitable[Any]],
+    first: type,
+    files: list[Path],
+) -> tuple[JobFeed, Any]:
+    """Start a job and wait for its first event: open the feed, create the job's row
+    (`create_row(progress_channel)`), hand it to Celery, and take the first event, which must
+    be a `first`. On any failure (the client left, a refusal, no job worker) the job is
+    cancelled, the feed closed, and `files` (what the request spooled for the job) removed,
+    unless a job that has started owns them: it removes them when it ends."""
+    feed: JobFeed | None = None
+    dispatched = False
+    try:
+        feed = await JobFeed.open()
+        await create_row(feed.channel)
+        await dispatch(task, job_id)
+        dispatched = True
+        event = await feed.next_event()
+        if not isinstance(event, first):
+            raise ModelNotAvailable(f"the job answered {event.kind!r} before {first.__name__}")
+        return feed, event
+    except BaseException:
+        await cancel(rows, job_id)
+        if not dispatched or await never_started(rows, job_id):
+            for path in files:
+                path.unlink(missing_ok=True)
+        if feed is not None:
+            feed.close()
+        raise
 
 
 async def cancel(rows: Any, job_id: str) -> None:

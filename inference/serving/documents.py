@@ -56,11 +56,9 @@ async def convert_document(
     if body.describe_pictures:
         await _check_vision_model(client, body.describe_pictures)
     path = await _spool(body, upload, ctx.request_id)
-    feed: JobFeed | None = None
     job_id = "job-" + uuid.uuid4().hex
-    dispatched = False
-    try:
-        feed = await JobFeed.open()
+
+    async def create_row(channel: str) -> None:
         spec = ConversionSpec(
             model=model.id,
             path=str(path),
@@ -71,7 +69,7 @@ async def convert_document(
             describe_pictures=body.describe_pictures,
             return_pictures=body.return_pictures,
             owner=owner,
-            progress_channel=feed.channel,
+            progress_channel=channel,
             max_pages=settings.HYPNOS.limits.max_document_pages,
         )
         await DocumentJob.objects.acreate(
@@ -82,19 +80,10 @@ async def convert_document(
             owner=owner or "",
             spec=spec.model_dump(),
         )
-        await _dispatch(job_id)
-        # From here the job owns the spool file: it removes it when it ends.
-        dispatched = True
-        opened = await feed.next_event()
-        if not isinstance(opened, DocumentOpened):
-            raise ModelNotAvailable(f"the job answered {opened.kind!r} before opening the document")
-    except BaseException:
-        await _cancel(job_id)
-        if not dispatched or await jobs.never_started(DocumentJob, job_id):
-            path.unlink(missing_ok=True)
-        if feed is not None:
-            feed.close()
-        raise
+
+    from inference.tasks import convert_document
+
+    feed, opened = await jobs.start(DocumentJob, job_id, convert_document, create_row, DocumentOpened, [path])
     if body.stream:
         return sse_response(_document_sse(feed, job_id, opened, ctx.record))
     return JsonResponse(await _document_json(feed, job_id, ctx.record))
@@ -230,16 +219,6 @@ async def _fetch(url: str, limit: int) -> bytes:
 
 def _too_large(size: int, limit: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"The document is {size} bytes, above limits.max_document_bytes ({limit}).", param="file")
-
-
-async def _dispatch(job_id: str) -> None:
-    from inference.tasks import convert_document
-
-    await jobs.dispatch(convert_document, job_id)
-
-
-async def _cancel(job_id: str) -> None:
-    await jobs.cancel(DocumentJob, job_id)
 
 
 def _job_events(feed: JobFeed, job_id: str, record: CallRecord) -> AsyncGenerator[Any, None]:

@@ -28,7 +28,6 @@ from hypnos_site.errors import InvalidRequest, ModelNotAvailable, PayloadTooLarg
 from inference import jobs
 from inference.client import InferenceClient
 from inference.image_job import ImageJobSpec
-from inference.jobs import JobFeed
 from inference.protocol import parse_body
 from inference.protocol_media import MAX_SEED, ImageGenerationRequest, ImageUpscaleRequest
 from inference.serving import image_input
@@ -105,17 +104,15 @@ async def _run(
     model: str, fields: dict[str, Any], references: list[Path], ctx: RequestContext, owner: str | None, n: int
 ) -> JsonResponse:
     """Hand the job to Celery, wait for its images, and answer them (or its error)."""
-    feed: JobFeed | None = None
     job_id = "img-" + uuid.uuid4().hex
-    dispatched = False
-    try:
-        feed = await JobFeed.open()
-        work = ImageWork(
-            output_dir=str(settings.HYPNOS.data_dir / "spool" / "images" / job_id),
-            max_pixels=settings.HYPNOS.limits.max_image_pixels,
-            **fields,
-        )
-        spec = ImageJobSpec(model=model, request_id=ctx.request_id, work=work, progress_channel=feed.channel)
+    work = ImageWork(
+        output_dir=str(settings.HYPNOS.data_dir / "spool" / "images" / job_id),
+        max_pixels=settings.HYPNOS.limits.max_image_pixels,
+        **fields,
+    )
+
+    async def create_row(channel: str) -> None:
+        spec = ImageJobSpec(model=model, request_id=ctx.request_id, work=work, progress_channel=channel)
         await ImageJob.objects.acreate(
             id=job_id,
             request_id=ctx.request_id,
@@ -125,22 +122,10 @@ async def _run(
             spec=spec.model_dump(),
             images_total=n,
         )
-        from inference.tasks import make_images
 
-        await jobs.dispatch(make_images, job_id)
-        # From here the job owns the reference files: it removes them when it ends.
-        dispatched = True
-        started = await feed.next_event()
-        if not isinstance(started, Started):
-            raise ModelNotAvailable(f"the job answered {started.kind!r} before it started")
-    except BaseException:
-        await jobs.cancel(ImageJob, job_id)
-        if not dispatched or await jobs.never_started(ImageJob, job_id):
-            for path in references:
-                path.unlink(missing_ok=True)
-        if feed is not None:
-            feed.close()
-        raise
+    from inference.tasks import make_images
+
+    feed, _started = await jobs.start(ImageJob, job_id, make_images, create_row, Started, references)
     pieces: dict[int, list[bytes]] = {}
     seeds: dict[int, int | None] = {}
     done: Done | None = None

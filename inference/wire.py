@@ -115,8 +115,8 @@ class ImageWork(_Work):
     reference_paths: list[str] = []
     upscale_factor: int | None = None
     output_dir: str
-    # limits.max_image_pixels of the web process that took the request: the largest image an
-    # upscale may make.
+    # limits.max_image_pixels of the web process that took the request: the largest reference
+    # the worker decodes and the largest image an upscale may make (one cap, the web's).
     max_pixels: int
 
 
@@ -398,8 +398,6 @@ class ImageReady:
     kind: Literal["image_ready"] = "image_ready"
     index: int
     path: str
-    width: int
-    height: int
     seed: int | None = None
 
 

@@ -429,7 +429,7 @@ class Worker:
             elif isinstance(work, EntityWork):
                 final = serve_entities(self.moves, runtime, engine, work, lease, sink, queue_ms, self.config.limits)
             elif isinstance(work, ImageWork):
-                final = serve_images(self.moves, runtime, engine, work, lease, sink, queue_ms, self.config.limits)
+                final = serve_images(self.moves, runtime, engine, work, lease, sink, queue_ms)
             else:
                 final = self._serve_chat(runtime, engine, work, lease, sink, queue_ms)
             runtime.note_service((time.perf_counter() - arrived) * 1000 - queue_ms)

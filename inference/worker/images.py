@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
-from hypnos_site.config import ImageConfig, LimitsConfig, ModelConfig
+from hypnos_site.config import ImageConfig, ModelConfig
 from hypnos_site.errors import Cancelled, InvalidRequest
 from inference.engines.base import ImageSpec
 from inference.wire import Done, ImageReady, ImageStep, ImageWork, Started
@@ -67,13 +67,12 @@ def serve_images(
     lease: Lease,
     sink: Any,
     queue_ms: float,
-    limits: LimitsConfig,
 ) -> Done:
     """Bring the model to tier 1, check the request against it, make the images one by one (an
     `image_ready` event each), and return the terminal `done` with the spec's telemetry (§5)."""
     try:
         switch = moves.ensure_tier1(runtime, runtime.config.context_len)
-        plan = _plan(runtime.config, engine, work, limits)
+        plan = _plan(runtime.config, engine, work)
     finally:
         for path in work.reference_paths:
             Path(path).unlink(missing_ok=True)
@@ -131,7 +130,7 @@ def serve_images(
     return Done(telemetry=telemetry)
 
 
-def _plan(config: ModelConfig, engine: Engine, work: ImageWork, limits: LimitsConfig) -> _Plan:
+def _plan(config: ModelConfig, engine: Engine, work: ImageWork) -> _Plan:
     """The request checked against the model: what the engine is asked, or a 400 naming the field."""
     image = config.image or ImageConfig()
     abilities = engine.capabilities()
@@ -146,7 +145,7 @@ def _plan(config: ModelConfig, engine: Engine, work: ImageWork, limits: LimitsCo
                 f"The model {config.id!r} upscales by {', '.join(map(str, factors))}, not {factor}.",
                 param="upscale_factor",
             )
-        references = [_decode(path, limits, "image") for path in work.reference_paths[:1]]
+        references = [_decode(path, work.max_pixels, "image") for path in work.reference_paths[:1]]
         if not references:
             raise InvalidRequest("image is required.", param="image")
         height, width = references[0].shape[:2]
@@ -165,12 +164,6 @@ def _plan(config: ModelConfig, engine: Engine, work: ImageWork, limits: LimitsCo
             f"/v1/images/{'edits' if work.op == 'edit' else 'variations'} needs one that does.",
             param="model",
         )
-    if work.n > limits.max_images_per_request:
-        raise InvalidRequest(
-            f"n is {work.n}; at most {limits.max_images_per_request} images per request "
-            "(limits.max_images_per_request).",
-            param="n",
-        )
     fixed = engine.image_size()
     if fixed is not None:
         if work.width is not None and (work.width, work.height) != fixed:
@@ -187,22 +180,21 @@ def _plan(config: ModelConfig, engine: Engine, work: ImageWork, limits: LimitsCo
     if "ignores_prompt" in abilities:
         # An unconditional generator samples nothing: no steps, no guidance.
         steps = cfg = None
-    references = [_decode(path, limits, "image") for path in work.reference_paths]
+    references = [_decode(path, work.max_pixels, "image") for path in work.reference_paths]
     if work.op in ("edit", "variation") and not references:
         raise InvalidRequest("image is required.", param="image")
     return _Plan(width, height, steps, cfg, image.strength, references)
 
 
-def _decode(path: str, limits: LimitsConfig, param: str) -> np.ndarray:
+def _decode(path: str, max_pixels: int, param: str) -> np.ndarray:
     """A reference image as RGB uint8 [H, W, 3]; 400 for what is no image or too many pixels."""
     data = Path(path).read_bytes()
     try:
         with Image.open(io.BytesIO(data)) as opened:
             width, height = opened.size
-            if width * height > limits.max_image_pixels:
+            if width * height > max_pixels:
                 raise InvalidRequest(
-                    f"The image declares {width}x{height} pixels, above limits.max_image_pixels "
-                    f"({limits.max_image_pixels}).",
+                    f"The image declares {width}x{height} pixels, above limits.max_image_pixels ({max_pixels}).",
                     param=param,
                 )
             return np.asarray(opened.convert("RGB"), dtype=np.uint8)
@@ -218,4 +210,4 @@ def _write(output: Path, index: int, image: np.ndarray, seed: int | None) -> Ima
     path = output / f"{index}.png"
     picture = Image.fromarray(np.ascontiguousarray(image, dtype=np.uint8), "RGB")
     picture.save(path, format="PNG")
-    return ImageReady(index=index, path=str(path), width=picture.width, height=picture.height, seed=seed)
+    return ImageReady(index=index, path=str(path), seed=seed)

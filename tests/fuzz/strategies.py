@@ -73,7 +73,7 @@ def _png(width: int = 2, height: int = 2) -> bytes:
     return out.getvalue()
 
 
-def _png_claiming(width: int, height: int) -> bytes:
+def png_claiming(width: int, height: int) -> bytes:
     """A PNG whose header claims `width` x `height` pixels (a decompression bomb's shape)."""
     import zlib
 
@@ -113,7 +113,7 @@ audio_bytes = st.one_of(
 image_bytes = st.one_of(
     st.just(PNG),
     st.just(PNG[:20]),
-    st.just(_png_claiming(60000, 60000)),
+    st.just(png_claiming(60000, 60000)),
     st.just(b"GIF89a"),
     st.binary(max_size=64),
 )

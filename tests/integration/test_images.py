@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import struct
-import zlib
 
 import numpy as np
 import pytest
@@ -17,6 +15,7 @@ from django.conf import settings
 from PIL import Image
 
 from logs.models import ImageJob
+from tests.fuzz.strategies import png_claiming
 from tests.integration.conftest import post_json, wait_until, with_limits
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -37,18 +36,6 @@ def png_of(width: int = 32, height: int = 32, noise: bool = False) -> bytes:
         pixels = np.linspace(0, 255, width * height * 3).astype(np.uint8).reshape(height, width, 3)
     Image.fromarray(pixels, "RGB").save(out, "PNG")
     return out.getvalue()
-
-
-def png_claiming(width: int, height: int) -> bytes:
-    """A PNG of a few bytes whose header declares `width` x `height` pixels (a decompression bomb)."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
-    )
 
 
 def decoded(item: dict) -> Image.Image:

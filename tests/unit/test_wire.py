@@ -43,7 +43,7 @@ EVENTS = [
         page={"page": 2, "markdown": "x", "pictures": 1, "picture_urls": ["/v1/documents/doc-1/pictures/1"]}
     ),
     wire.ImageStep(index=0, step=3, steps=20),
-    wire.ImageReady(index=1, path="/spool/out/1.png", width=64, height=64, seed=8),
+    wire.ImageReady(index=1, path="/spool/out/1.png", seed=8),
     wire.EntitiesFound(index=1, spans=[Span(start=0, end=11, label="person", score=0.97)]),
     wire.Result(result={"models": []}),
     wire.Error.of(ContextLengthExceeded("too long", param="messages")),

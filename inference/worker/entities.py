@@ -223,7 +223,9 @@ class ChatExtractor:
         # The same entity written twice counts once, at its best score; each is looked for once.
         scores: dict[tuple[str, str], float] = {}
         for entity in answer_entities(answer.text, set(self.work.labels)):
-            score = answer.score(entity.text_at, entity.label_at)
+            # Rounded as the client sees it before the threshold is applied: a client that sends
+            # a score back as its threshold keeps that entity.
+            score = round(answer.score(entity.text_at, entity.label_at), 4)
             key = (entity.text.strip(), entity.label)
             if score >= self.work.threshold and score > scores.get(key, -1.0):
                 scores[key] = score
@@ -232,9 +234,7 @@ class ChatExtractor:
         limit = CANDIDATES_PER_WORD * max(len(text.split()), 1)
         candidates: list[Span] = []
         for (value, label), score in scores.items():
-            candidates += [
-                Span(start=s, end=e, label=label, score=round(score, 4)) for s, e in find_mentions(text, value)
-            ]
+            candidates += [Span(start=s, end=e, label=label, score=score) for s, e in find_mentions(text, value)]
             if len(candidates) > 2 * limit:
                 candidates = best_candidates(candidates, limit)
         return select_spans(best_candidates(candidates, limit), self.work.flat)

@@ -78,9 +78,16 @@ async def test_a_blank_text_has_no_entities(api):
     assert [item["entities"] for item in body["data"]] == [[], []]
 
 
-async def test_a_threshold_of_one_keeps_only_certain_spans(api):
-    body = await extract(api, "qwen2.5-coder-0.5b", SPEC_INPUT[0], ["person"], threshold=1.0)
-    assert all(e["score"] == 1.0 for e in body["data"][0]["entities"])
+async def test_the_threshold_is_the_lowest_score_kept(api):
+    """Greedy decoding gives the same scores every time: a threshold between the lowest and the
+    highest keeps exactly the entities scoring at least that much."""
+    everything = (await extract(api, "qwen2.5-coder-0.5b", SPEC_INPUT[1], SPEC_LABELS, threshold=0.0))["data"][0]
+    scores = sorted(e["score"] for e in everything["entities"])
+    assert len(scores) >= 2 and scores[0] < scores[-1], scores
+    cut = scores[-1]
+    kept = (await extract(api, "qwen2.5-coder-0.5b", SPEC_INPUT[1], SPEC_LABELS, threshold=cut))["data"][0]
+    assert kept["entities"] == [e for e in everything["entities"] if e["score"] >= cut]
+    assert 1 <= len(kept["entities"]) < len(everything["entities"])
 
 
 @pytest.mark.parametrize(

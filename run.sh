@@ -22,16 +22,15 @@ cd "$(dirname "$0")"
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 VENV=${HYPNOS_VENV:-.venv}
 CACHE_DIR=${HYPNOS_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/hypnos}
-LLAMA_VERSION=0.3.36
 # GGML_NATIVE=OFF: the native build's AMX kernels crash at the first token on these CPUs.
-LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+# llama.cpp and stable-diffusion.cpp (which vendors its own ggml) get the same safe CPU flags.
+CPU_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+LLAMA_VERSION=0.3.36
+LLAMA_CMAKE_ARGS=$CPU_CMAKE_ARGS
+SDCPP_VERSION=0.4.7
+SDCPP_CMAKE_ARGS=$CPU_CMAKE_ARGS
 if [ "${HYPNOS_GPU:-}" = "cuda" ]; then
   LLAMA_CMAKE_ARGS="$LLAMA_CMAKE_ARGS -DGGML_CUDA=ON"
-fi
-# stable-diffusion.cpp vendors its own ggml: the same safe CPU flags, and its own CUDA switch.
-SDCPP_VERSION=0.4.7
-SDCPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
-if [ "${HYPNOS_GPU:-}" = "cuda" ]; then
   SDCPP_CMAKE_ARGS="$SDCPP_CMAKE_ARGS -DSD_CUDA=ON"
 fi
 
@@ -54,43 +53,34 @@ setup_venv() {
   fi
 }
 
-setup_llama() {
-  local key wheel_dir
-  key=$(printf '%s %s' "$LLAMA_VERSION" "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-12)
-  if stamp_ok llama "$key"; then return; fi
-  wheel_dir="$CACHE_DIR/wheels/llama-cpp-python-$LLAMA_VERSION-$key"
-  if ! ls "$wheel_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-    step "compiling llama-cpp-python $LLAMA_VERSION (once per machine; 5-15 min on 2 cores)"
-    step "  flags: $LLAMA_CMAKE_ARGS; the wheel is kept in $wheel_dir"
+# A package PyPI has only as an sdist, compiled once per machine with the given CMAKE_ARGS and
+# kept in the cache (keyed by version and flags), then installed --no-deps (its own
+# requirements are pinned in requirements/) and stamped.
+#   setup_compiled <stamp> <package> <version> <cmake args> <how long it takes>
+setup_compiled() {
+  local stamp=$1 package=$2 version=$3 args=$4 takes=$5 key wheel_dir
+  key=$(printf '%s %s' "$version" "$args" | sha256sum | cut -c1-12)
+  if stamp_ok "$stamp" "$key"; then return; fi
+  wheel_dir="$CACHE_DIR/wheels/$package-$version-$key"
+  if ! ls "$wheel_dir/${package//-/_}"-*.whl >/dev/null 2>&1; then
+    step "compiling $package $version (once per machine; $takes)"
+    step "  flags: $args; the wheel is kept in $wheel_dir"
     mkdir -p "$wheel_dir.tmp"
     # --no-cache-dir: pip's wheel cache ignores CMAKE_ARGS and would hand back a native build.
-    CMAKE_ARGS="$LLAMA_CMAKE_ARGS" pip_ wheel --no-cache-dir --no-deps -w "$wheel_dir.tmp" \
-      "llama-cpp-python==$LLAMA_VERSION"
+    CMAKE_ARGS="$args" pip_ wheel --no-cache-dir --no-deps -w "$wheel_dir.tmp" "$package==$version"
     rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
   fi
-  step "installing llama-cpp-python from $wheel_dir"
-  pip_ install --no-deps --force-reinstall "$wheel_dir"/llama_cpp_python-*.whl
-  stamp_set llama "$key"
+  step "installing $package from $wheel_dir"
+  pip_ install --no-deps --force-reinstall "$wheel_dir/${package//-/_}"-*.whl
+  stamp_set "$stamp" "$key"
+}
+
+setup_llama() {
+  setup_compiled llama llama-cpp-python "$LLAMA_VERSION" "$LLAMA_CMAKE_ARGS" "5-15 min on 2 cores"
 }
 
 setup_sdcpp() {
-  local key wheel_dir
-  key=$(printf '%s %s' "$SDCPP_VERSION" "$SDCPP_CMAKE_ARGS" | sha256sum | cut -c1-12)
-  if stamp_ok sdcpp "$key"; then return; fi
-  wheel_dir="$CACHE_DIR/wheels/stable-diffusion-cpp-python-$SDCPP_VERSION-$key"
-  if ! ls "$wheel_dir"/stable_diffusion_cpp_python-*.whl >/dev/null 2>&1; then
-    step "compiling stable-diffusion-cpp-python $SDCPP_VERSION (once per machine; ~8 min on 2 busy cores)"
-    step "  flags: $SDCPP_CMAKE_ARGS; the wheel is kept in $wheel_dir"
-    mkdir -p "$wheel_dir.tmp"
-    # --no-cache-dir: pip's wheel cache ignores CMAKE_ARGS and would hand back a native build.
-    CMAKE_ARGS="$SDCPP_CMAKE_ARGS" pip_ wheel --no-cache-dir --no-deps -w "$wheel_dir.tmp" \
-      "stable-diffusion-cpp-python==$SDCPP_VERSION"
-    rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
-  fi
-  step "installing stable-diffusion-cpp-python from $wheel_dir"
-  # --no-deps: its requirements (pillow, typing-extensions) are pinned in requirements/.
-  pip_ install --no-deps --force-reinstall "$wheel_dir"/stable_diffusion_cpp_python-*.whl
-  stamp_set sdcpp "$key"
+  setup_compiled sdcpp stable-diffusion-cpp-python "$SDCPP_VERSION" "$SDCPP_CMAKE_ARGS" "~8 min on 2 cores"
 }
 
 setup_models() {

@@ -204,6 +204,10 @@ CORS_EXPOSE_HEADERS = [
 ]
 CORS_ALLOW_HEADERS = [
     "authorization",
+    # Anthropic's SDKs: the key and the API version they send.
+    "x-api-key",
+    "anthropic-version",
+    "anthropic-beta",
     "content-type",
     "x-hypnos-next-model",
     "x-hypnos-deadline-ms",

@@ -15,11 +15,14 @@ urlpatterns = [
     # Before inference.urls, whose last pattern answers every other /v1 path with a 404.
     path("v1/", include("logs.urls")),
     path("api/v1/", include("logs.urls")),
+    path("v1/", include("inference.anthropic_urls")),
     path("v1/", include("inference.urls")),
     # Lemonade clients talk to /api/v1 (compat.md): its lifecycle routes, then every /v1 route.
     path("api/v1/", include("inference.lemonade_urls")),
     path("internal/set", views.InternalSetView.as_view()),
     path("api/v1/", include("inference.urls")),
+    # Ollama clients talk to /api/<verb> (and HEAD /).
+    path("", include("inference.ollama_urls")),
 ]
 
 handler404 = "inference.views.handler404"

@@ -163,7 +163,11 @@ def request_key_check(request: HttpRequest) -> KeyCheck:
     """The request's KeyCheck, computed once per request (sync context)."""
     check = getattr(request, "hypnos_key_check", None)
     if check is None:
-        check = check_authorization(request.META.get("HTTP_AUTHORIZATION", ""))
+        header = request.META.get("HTTP_AUTHORIZATION", "")
+        if not header and request.META.get("HTTP_X_API_KEY"):
+            # Anthropic's SDKs send the key as `x-api-key`, beside OpenAI's Bearer.
+            header = f"Bearer {request.META['HTTP_X_API_KEY']}"
+        check = check_authorization(header)
         request.hypnos_key_check = check  # type: ignore[attr-defined]
     return check
 

@@ -43,3 +43,57 @@ def ws_error(error: HypnosError, record: CallRecord | None = None) -> dict[str, 
     if record is not None:
         record.note_error(error.message, error.type)
     return {**error_fields(error), "code": error.code or error.type}
+
+
+# -- the other APIs' dialects (Anthropic Messages, Ollama): the same errors, their shapes --------
+
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    507: "overloaded_error",
+}
+
+
+def anthropic_body(error: HypnosError) -> dict[str, Any]:
+    """Anthropic's envelope: `{"type": "error", "error": {"type", "message"}}`."""
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(error.status, "api_error"), "message": error.message}}
+
+
+def anthropic_error(error: HypnosError, record: CallRecord | None = None) -> JsonResponse:
+    if record is not None:
+        record.note_error(error.message, error.type)
+    response = JsonResponse(anthropic_body(error), status=error.status)
+    for name, value in error.headers.items():
+        response[name] = value
+    return response
+
+
+def anthropic_sse_error(error: HypnosError, record: CallRecord | None = None) -> str:
+    """The `error` event that ends an Anthropic stream whose headers are out."""
+    if record is not None:
+        record.note_error(error.message, error.type)
+    return f"event: error\ndata: {json.dumps(anthropic_body(error), ensure_ascii=False)}\n\n"
+
+
+def ollama_error(error: HypnosError, record: CallRecord | None = None) -> JsonResponse:
+    """Ollama's envelope: `{"error": "<message>"}` with the status."""
+    if record is not None:
+        record.note_error(error.message, error.type)
+    response = JsonResponse({"error": error.message}, status=error.status)
+    for name, value in error.headers.items():
+        response[name] = value
+    return response
+
+
+def ollama_ndjson_error(error: HypnosError, record: CallRecord | None = None) -> str:
+    """The last NDJSON line of an Ollama stream whose headers are out."""
+    if record is not None:
+        record.note_error(error.message, error.type)
+    return json.dumps({"error": error.message}, ensure_ascii=False) + "\n"

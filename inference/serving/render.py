@@ -63,7 +63,8 @@ ANTHROPIC_TYPES = {
 
 def anthropic_body(error: HypnosError) -> dict[str, Any]:
     """Anthropic's envelope: `{"type": "error", "error": {"type", "message"}}`."""
-    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(error.status, "api_error"), "message": error.message}}
+    kind = ANTHROPIC_TYPES.get(error.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
 def anthropic_error(error: HypnosError, record: CallRecord | None = None) -> JsonResponse:

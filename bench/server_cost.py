@@ -126,13 +126,16 @@ def cache_dir() -> Path:
 
 def run_sh_llama() -> tuple[str, str]:
     """LLAMA_VERSION and LLAMA_CMAKE_ARGS as run.sh sets them (CPU build), read from run.sh so
-    that the peers are built exactly like the server's engine."""
-    text = RUN_SH.read_text()
-    version = re.search(r"^LLAMA_VERSION=(\S+)$", text, re.M)
-    flags = re.search(r'^LLAMA_CMAKE_ARGS="([^"]*)"$', text, re.M)
+    that the peers are built exactly like the server's engine. run.sh's top-level assignments
+    are read in order, with `$NAME` references to earlier ones expanded."""
+    assigned: dict[str, str] = {}
+    for match in re.finditer(r'^([A-Z_]+)=("([^"]*)"|(\S*))$', RUN_SH.read_text(), re.M):
+        value = match.group(3) if match.group(3) is not None else match.group(4)
+        assigned.setdefault(match.group(1), re.sub(r"\$(\w+)", lambda m: assigned.get(m.group(1), ""), value))
+    version, flags = assigned.get("LLAMA_VERSION"), assigned.get("LLAMA_CMAKE_ARGS")
     if not version or not flags:
         raise RuntimeError(f"cannot read LLAMA_VERSION / LLAMA_CMAKE_ARGS from {RUN_SH}")
-    return version.group(1), flags.group(1)
+    return version, flags
 
 
 def _key(*parts: str) -> str:

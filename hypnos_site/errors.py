@@ -195,14 +195,20 @@ def _from_drf(exc: drf.APIException) -> HypnosError:
     return err
 
 
-def exception_handler(exc: Exception, context: dict[str, Any]) -> JsonResponse | None:
-    """DRF's EXCEPTION_HANDLER: every error of a /v1 view leaves through here."""
+def as_hypnos_error(exc: Exception, view: object = None) -> HypnosError:
+    """The typed error any exception of a view stands for (a 500 for one that is not ours); the
+    routes of the other APIs (Ollama, Anthropic) render it in their own shape."""
     if isinstance(exc, Http404):
         # DRF's own (an unknown ?format= has no renderer) and get_object_or_404's.
         exc = NotFound(str(exc) or "Not found.")
     if isinstance(exc, drf.APIException):
         exc = _from_drf(exc)
     if not isinstance(exc, HypnosError):
-        log.exception("unhandled error in %s", context.get("view"))
+        log.exception("unhandled error in %s", view)
         exc = ServerError(f"internal error: {type(exc).__name__}")
-    return exc.response()
+    return exc
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> JsonResponse | None:
+    """DRF's EXCEPTION_HANDLER: every error of a /v1 view leaves through here."""
+    return as_hypnos_error(exc, context.get("view")).response()

@@ -51,6 +51,9 @@ class StatusReports:
                 "problem": runtime.problem,
                 "enabled": runtime.enabled,
                 "config": runtime.config.model_dump(mode="json"),
+                # What the engine serves beyond its modality (tools, thinking, vision...), once
+                # it exists: the Ollama API's `capabilities` (issue 17).
+                "capabilities": sorted(runtime.engine.capabilities()) if runtime.engine is not None else [],
             }
         return {"ready": self.ready(), "simulated": self.device.simulated, "models": models}
 

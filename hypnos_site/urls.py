@@ -19,6 +19,7 @@ urlpatterns = [
     path("v1/", include("inference.urls")),
     # Lemonade clients talk to /api/v1 (compat.md): its lifecycle routes, then every /v1 route.
     path("api/v1/", include("inference.lemonade_urls")),
+    path("api/v1/", include("inference.anthropic_urls")),
     path("internal/set", views.InternalSetView.as_view()),
     path("api/v1/", include("inference.urls")),
     # Ollama clients talk to /api/<verb> (and HEAD /).

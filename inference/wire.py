@@ -56,6 +56,9 @@ class GenerateWork(_Work):
     thinking_budget: int | None = None
     prompt_param: str = "messages"
     schema_param: str = "response_format"
+    # Issue 17, POST /v1/messages/count_tokens: render and tokenise the prompt exactly as a
+    # generation would, answer its token count in Done.usage, generate nothing.
+    count_only: bool = False
 
     def chat_work(self) -> ChatWork:
         """The engine's ChatWork of these fields (worker side)."""
@@ -300,6 +303,9 @@ class Started:
     previous_tier: str
     gpu_layers: int | None = None
     tier_switch_ms: float | None = None
+    # Issue 17: a chat's prompt tokens, known once it is tokenised (Anthropic's message_start
+    # reports them); None where the engine counts them only as it evaluates them (images).
+    prompt_tokens: int | None = None
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)
@@ -448,6 +454,9 @@ class Done:
     finish_reason: str | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     result: dict[str, Any] | None = None
+    # Issue 17: the stop string that ended a chat (finish_reason "stop"), for Anthropic's
+    # stop_reason "stop_sequence"; None when the model ended its turn itself.
+    stop_sequence: str | None = None
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

@@ -37,6 +37,9 @@ INFERENCE_ROUTES = frozenset(
         "images/upscale",
         "documents/convert",
         "entities",
+        # Anthropic's Messages API (issue 17); counting tokens loads and runs the model's tokenizer.
+        "messages",
+        "messages/count_tokens",
     }
 )
 

@@ -86,6 +86,8 @@ class ChatWork:
     # The request fields an error about the prompt or the JSON schema names (the routes differ).
     prompt_param: str = "messages"
     schema_param: str = "response_format"
+    # POST /v1/messages/count_tokens: prepared (rendered, tokenised) and counted, never run.
+    count_only: bool = False
     # Set by the engine's prepare_chat in the worker, never sent by the web process.
     prepared: PreparedPrompt | None = None
 
@@ -139,6 +141,8 @@ class ChatResult:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     # Most requests that shared a decode step with this one (itself included).
     concurrent_slots: int = 1
+    # The stop string that ended the answer (finish_reason "stop"), None for an end of turn.
+    stop_sequence: str | None = None
 
     def engine_timings(self) -> dict[str, Any]:
         prefill_tokens = max(self.prompt_tokens - self.cached_tokens, 0)
@@ -271,6 +275,14 @@ class Engine(ABC):
     def check_context(self, work: ChatWork) -> None:
         """ContextLengthExceeded when the prepared prompt leaves no room in the loaded context."""
         return None
+
+    def count_prompt(self, work: ChatWork) -> int:
+        """The prepared chat's prompt tokens, images included, evaluating nothing (POST
+        /v1/messages/count_tokens); the same count its generation reports as prompt_tokens."""
+        tokens = work.prepared.tokens if work.prepared is not None else None
+        if tokens is None:
+            raise NotImplementedError(f"{type(self).__name__} counts no prompt it has not tokenised")
+        return len(tokens)
 
     def chat(self, work: ChatWork, cancel: threading.Event, on_delta: DeltaSink) -> ChatResult:
         raise NotImplementedError(f"{type(self).__name__} does not serve chat completions")

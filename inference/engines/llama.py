@@ -280,6 +280,12 @@ class LlamaEngine(Engine):
                 param=work.prompt_param,
             )
 
+    def count_prompt(self, work: ChatWork) -> int:
+        if not work.images:
+            return super().count_prompt(work)
+        assert work.prepared is not None
+        return self._vision().count(work.prepared.plan.prompt, work.images)
+
     def chat(self, work: ChatWork, cancel: threading.Event, on_delta: DeltaSink) -> ChatResult:
         llm = self._llm
         assert llm is not None, "chat on an unloaded engine"
@@ -457,6 +463,7 @@ class LlamaEngine(Engine):
             completion_tokens=produced,
             decode_ms=first.decode_ms + sum(r.prefill_ms + r.decode_ms for r in legs[1:]),
             concurrent_slots=max(r.concurrent_slots for r in legs),
+            stop_sequence=stops.matched,
         )
 
     def _prompt(self, llm: llama_cpp.Llama, work: ChatWork, limits: LimitsConfig) -> _PromptPlan:
@@ -532,13 +539,16 @@ class LlamaEngine(Engine):
 
     def _image_prompt(self, llm: llama_cpp.Llama, prompt: str, images: list[bytes]) -> list[int]:
         """Evaluate a prompt with images through the projector; its tokens as the context holds them."""
+        return self._vision().evaluate(llm, prompt, images)
+
+    def _vision(self) -> Projector:
         if self._projector is None:
             raise InvalidRequest(
                 f"The model {self.model.id!r} does not serve vision (no projector, aux_path), "
                 "so it cannot take image_url parts.",
                 param="messages",
             )
-        return self._projector.evaluate(llm, prompt, images)
+        return self._projector
 
     def _route(
         self, llm: llama_cpp.Llama, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
@@ -659,6 +669,7 @@ class LlamaEngine(Engine):
             prefill_ms=(first_at - started) * 1000,
             decode_ms=(ended - first_at) * 1000,
             ttft_ms=(first_at - started) * 1000,
+            stop_sequence=stops.matched,
         )
 
     def _cached_prefix(self, tokens: list[int]) -> int:

@@ -264,6 +264,7 @@ class SlotScheduler:
             decode_ms=(ended - first) * 1000,
             ttft_ms=(first - job.started) * 1000,
             concurrent_slots=job.concurrency,
+            stop_sequence=job.stops.matched,
         )
         if slot is not None:
             slot.job = None

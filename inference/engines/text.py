@@ -13,12 +13,15 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        # The stop string that was reached (the earliest in the text), once one was.
+        self.matched: str | None = None
 
     def feed(self, text: str) -> tuple[str, bool]:
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, stop) for stop in self.stops if (i := self.pending.find(stop)) >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            out, self.pending = self.pending[:at], ""
             return out, True
         hold = self._held_suffix()
         cut = len(self.pending) - hold

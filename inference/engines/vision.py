@@ -100,6 +100,19 @@ class Projector:
             for bitmap in bitmaps:
                 mtmd.mtmd_bitmap_free(bitmap)
 
+    def count(self, prompt: str, images: list[bytes]) -> int:
+        """The tokens `evaluate` would put in the context for this prompt and its images,
+        images tokenised (preprocessed) but not encoded."""
+        bitmaps = [self._bitmap(data, i) for i, data in enumerate(images)]
+        chunks = mtmd.mtmd_input_chunks_init()
+        try:
+            self._tokenize(chunks, prompt, bitmaps)
+            return int(mtmd.mtmd_helper_get_n_tokens(chunks))
+        finally:
+            mtmd.mtmd_input_chunks_free(chunks)
+            for bitmap in bitmaps:
+                mtmd.mtmd_bitmap_free(bitmap)
+
     def _bitmap(self, data: bytes, index: int) -> int:
         rgb = decode_rgb(data, index)
         pixels = rgb.tobytes()

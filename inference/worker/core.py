@@ -52,7 +52,7 @@ from inference.worker.media import MEDIA_OPS, MediaWork, media_work, serve_media
 from inference.worker.pool import POOL_OPS, PoolChanges, PoolChanging, resubmit_after_change
 from inference.worker.runtime import Event, Lease, ModelRuntime, ModelTable, Sink
 from inference.worker.status import StatusReports
-from inference.worker.tier_moves import TierMoves
+from inference.worker.tier_moves import TierMoves, TierSwitch
 from memory.device import HardwareLimits, probe_device
 from memory.kv_park import KvParking
 from memory.manager import TierManager
@@ -459,7 +459,10 @@ class Worker:
         """Run the chat, streaming deltas into `sink`; the terminal `done` event is returned."""
         cancel = lease.cancel
         work, switch = self.moves.prepare_chat(runtime, engine, work, self.config.limits)
-        sink(Started(previous_tier=str(switch.previous_tier)))
+        tokens = work.prepared.tokens if work.prepared is not None else None
+        sink(Started(previous_tier=str(switch.previous_tier), prompt_tokens=len(tokens) if tokens else None))
+        if work.count_only:
+            return self._counted(runtime, engine, work, switch, queue_ms)
         sent = False
 
         def on_delta(text: str, logprobs: list[dict[str, Any]] | None, reasoning: bool = False, /) -> None:
@@ -490,4 +493,23 @@ class Worker:
             completion_tokens=result.completion_tokens,
             cached_tokens=result.cached_tokens,
         )
-        return Done(finish_reason=result.finish_reason, tool_calls=result.tool_calls, usage=usage, telemetry=telemetry)
+        return Done(
+            finish_reason=result.finish_reason,
+            tool_calls=result.tool_calls,
+            usage=usage,
+            telemetry=telemetry,
+            stop_sequence=result.stop_sequence if result.finish_reason == "stop" else None,
+        )
+
+    def _counted(
+        self, runtime: ModelRuntime, engine: Engine, work: ChatWork, switch: TierSwitch, queue_ms: float
+    ) -> Event:
+        """A count_only chat (issue 17, POST /v1/messages/count_tokens): its prompt tokens as its
+        generation would report them, nothing evaluated; finish_reason "counted"."""
+        started = time.perf_counter()
+        count = engine.count_prompt(work)
+        placement = self.tiers.placement(runtime.config.id)
+        telemetry = switch.telemetry(
+            placement, (time.perf_counter() - started) * 1000, {"queue_ms": round(queue_ms, 1)}
+        )
+        return Done(finish_reason="counted", usage=Usage(prompt_tokens=count), telemetry=telemetry)

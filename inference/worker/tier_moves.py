@@ -133,6 +133,9 @@ class TierMoves:
         # No prepared tokens reads as an empty list: it fits nothing, as before.
         tokens = (work.prepared.tokens if work.prepared is not None else None) or []
         fits_model = bool(tokens) and len(tokens) < (engine.trained_context_len or len(tokens) + 1)
+        if work.count_only:
+            # Counted, never run: a prompt beyond the context is still counted, and no context grows for it.
+            return work, switch
         if fits_model and not work.num_ctx and len(tokens) + work.max_tokens > engine.context_len:
             # The estimate from characters fell short: grow the context to the counted tokens.
             switch.absorb(self.ensure_tier1(runtime, len(tokens) + work.max_tokens))

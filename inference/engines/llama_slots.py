@@ -10,6 +10,16 @@ pending prompt chunks and the last sampled tokens, decodes, samples and streams.
 KV parking (spec §14) saves every used slot's sequence when the model leaves tier 1 and puts
 each back into the same sequence when it returns, so a conversation's next turn finds its prefix
 in the slot it left; `server.kv_idle_timeout_secs` empties the slots idle that long.
+
+Compaction. The slots share one unified KV, and llama.cpp attends over every cell up to the last
+one in use, of all sequences (masked): after a round of concurrent streams, whose tokens were
+laid down interleaved, a single stream attended over all of them and decoded at ~0.75 of its
+speed until the server restarted (bench/server_cost.py's (e)). So a job that starts on an idle
+scheduler while other slots hold cells stashes those slots' sequences in host memory (each slot
+keeps its token list, so its prefix still counts when the next job is placed), clears the KV
+and puts its own prefix back at the start of it; a stashed slot's sequence goes back into the KV
+when a job is placed on it. Done only while the copies stay under COMPACT_MAX_BYTES, so it costs
+a few milliseconds at most (llama-server keeps idle slots' prompts in host memory the same way).
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ from memory.kv_park import ParkedSlot
 
 log = logging.getLogger(__name__)
 BATCH_TOKENS = 512
+# The most bytes of sequence state a compaction copies, and the most the stashes hold together.
+COMPACT_MAX_BYTES = 64 << 20
 
 
 @dataclass
@@ -69,6 +81,8 @@ class _Slot:
     job: SlotJob | None = None
     # When the slot's conversation was last served (time.monotonic()).
     used_at: float = field(default_factory=time.monotonic)
+    # The sequence of `tokens`, in host memory while its cells are out of the KV (compaction).
+    stash: bytes | None = None
 
 
 def seq_state(ctx: llama_cpp.llama_context_p, seq: int) -> bytes | None:
@@ -116,7 +130,9 @@ class SlotScheduler:
         with self.cond:
             parked = []
             for slot in self.slots:
-                data = seq_state(self.llm.ctx, slot.seq) if slot.tokens and slot.job is None else None
+                data = None
+                if slot.tokens and slot.job is None:
+                    data = slot.stash if slot.stash is not None else seq_state(self.llm.ctx, slot.seq)
                 if data is not None:
                     parked.append(ParkedSlot(slot.seq, tuple(slot.tokens), data, slot.used_at))
             return tuple(parked)
@@ -144,7 +160,7 @@ class SlotScheduler:
                 if slot.tokens and time.monotonic() - slot.used_at >= idle_secs:
                     llama_cpp.llama_memory_seq_rm(self.llm._ctx.memory, slot.seq, 0, -1)
                     dropped += len(slot.tokens)
-                    slot.tokens = []
+                    slot.tokens, slot.stash = [], None
             return dropped
 
     def close(self) -> None:
@@ -181,15 +197,59 @@ class SlotScheduler:
             if job.cancel.is_set():
                 self._finish(None, job, "cancelled")
                 continue
+            idle = len(free) == len(self.slots)
             slot = max(free, key=lambda s: _common_prefix(s.tokens, job.tokens))
             free.remove(slot)
             # Keep the shared prefix; the last prompt token is always evaluated for its logits.
             reuse = min(_common_prefix(slot.tokens, job.tokens), len(job.tokens) - 1) if job.reuse_prefix else 0
+            compacted = self._compact(slot, reuse) if idle else None
+            reuse = self._unstash(slot, reuse) if compacted is None else compacted
             llama_cpp.llama_memory_seq_rm(self.llm._ctx.memory, slot.seq, reuse, -1)
             slot.tokens = slot.tokens[:reuse]
             job.cached = reuse
             job.pending = job.tokens[reuse:]
             slot.job = job
+
+    def _compact(self, keep: _Slot, reuse: int) -> int | None:
+        """Stash the other slots' sequences, clear the KV and put `keep`'s first `reuse` tokens
+        back at its start (see the module's docstring); the tokens the job may reuse. None, with
+        nothing changed, when no other slot holds cells or the copies would pass
+        COMPACT_MAX_BYTES."""
+        ctx, memory = self.llm.ctx, self.llm._ctx.memory
+        others = [s for s in self.slots if s is not keep and s.tokens and s.stash is None]
+        if not others:
+            return None
+        sizes = [llama_cpp.llama_state_seq_get_size(ctx, s.seq) for s in others]
+        stashed = sum(len(s.stash) for s in self.slots if s.stash is not None)
+        if stashed + sum(sizes) + (len(keep.stash) if keep.stash else 0) > COMPACT_MAX_BYTES:
+            return None
+        if keep.stash is None:
+            llama_cpp.llama_memory_seq_rm(memory, keep.seq, reuse, -1)
+            kept = seq_state(ctx, keep.seq) if reuse else None
+        else:
+            kept, keep.stash = (keep.stash if reuse else None), None
+        for slot in others:
+            slot.stash = seq_state(ctx, slot.seq)
+            if slot.stash is None:
+                slot.tokens = []
+        llama_cpp.llama_memory_clear(memory, True)
+        # A stash holds the slot's whole sequence: cut it back to the prefix the job shares.
+        if kept is None or not set_seq_state(ctx, keep.seq, kept):
+            keep.tokens = []
+            return 0
+        return reuse
+
+    def _unstash(self, slot: _Slot, reuse: int) -> int:
+        """Put a stashed slot's sequence back into the KV; the tokens of it the job may reuse
+        (0 when llama.cpp finds no room for it, and the slot starts empty)."""
+        if slot.stash is None:
+            return reuse
+        data, slot.stash = slot.stash, None
+        if reuse and set_seq_state(self.llm.ctx, slot.seq, data):
+            return reuse
+        llama_cpp.llama_memory_seq_rm(self.llm._ctx.memory, slot.seq, 0, -1)
+        slot.tokens = []
+        return 0
 
     def _step(self) -> None:
         """One llama_decode: one token of every generating slot plus prompt chunks in the room
@@ -277,7 +337,7 @@ class SlotScheduler:
             job = slot.job
             assert job is not None
             slot.job = None
-            slot.tokens = []
+            slot.tokens, slot.stash = [], None
             llama_cpp.llama_memory_seq_rm(self.llm._ctx.memory, slot.seq, 0, -1)
             job.error = error
             job.done.set()

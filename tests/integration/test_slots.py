@@ -97,3 +97,32 @@ async def test_a_cancelled_request_frees_its_slot_at_once(api, three_slots):
     finally:
         for reader in readers:
             reader.cancel()
+
+
+def _answer(response) -> tuple[str, dict]:  # type: ignore[no-untyped-def]
+    body = response.json()
+    return body["choices"][0]["message"]["content"], body["usage"]
+
+
+async def test_a_single_stream_after_concurrent_ones_runs_on_a_compacted_kv(api, three_slots):
+    """After a round of concurrent streams, the next one alone clears the KV of the others'
+    interleaved cells (their sequences wait in host memory), answers as it did before the round,
+    and each stashed conversation still finds its prefix."""
+    alone = [_answer(await post_json(api, URL, request(p))) for p in PROMPTS[:3]]
+    await asyncio.gather(*[post_json(api, URL, request(p)) for p in PROMPTS[:3]])
+    scheduler = three_slots.models[SMOL].engine._scheduler  # type: ignore[union-attr]
+
+    again, usage = _answer(await post_json(api, URL, request(PROMPTS[0])))
+    assert again == alone[0][0]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    stashed = [slot for slot in scheduler.slots if slot.stash is not None]
+    assert len(stashed) == 2 and all(slot.tokens for slot in stashed)
+    # KV parking takes a stashed sequence from host memory as it takes the others from the KV.
+    assert len(scheduler.park()) == 3
+
+    for prompt, topics in zip(PROMPTS[1:3], TOPICS[1:3], strict=True):
+        text, usage = _answer(await post_json(api, URL, request(prompt)))
+        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+        assert any(topic in text.lower() for topic in topics), text
+    # Each ran alone, so each left only its own sequence in the KV.
+    assert [slot.stash is None for slot in scheduler.slots].count(True) == 1

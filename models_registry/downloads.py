@@ -46,6 +46,9 @@ DEFAULT_HUB = "https://huggingface.co"
 TIMEOUT = httpx.Timeout(60.0, connect=15.0)
 
 PipInstall = Callable[[list[str]], None]
+# Told the bytes of a file written so far (a resumed `.part` included) and its size when known,
+# as they arrive (the Ollama API's pull progress lines).
+OnBytes = Callable[[int, int | None], None]
 
 
 class DownloadError(Exception):
@@ -204,11 +207,13 @@ def fetch(
     retries: int = 2,
     pip_install: PipInstall | None = None,
     progress: bool | None = None,
+    on_bytes: Callable[[PlannedFile, int, int | None], None] | None = None,
 ) -> list[tuple[PlannedFile, str]]:
     """Fetch every planned file that is missing; (file, "downloaded" | "placed" | "already there",
     or a "downloaded" that says its size went unchecked). Refuses before writing anything when a
     gated file has no token or the bytes do not fit. `progress` None shows the bars only on a
-    terminal."""
+    terminal; `on_bytes` is told each downloaded file's progress (an exception it raises stops
+    the download, the `.part` kept to resume)."""
     for item in planned:
         if not item.there and item.file.gated and not token:
             raise DownloadError(
@@ -238,10 +243,15 @@ def fetch(
                     retries=retries,
                     label=item.label,
                     progress=progress,
+                    on_bytes=_for_file(on_bytes, item),
                 )
                 unchecked = "; no size to check it against: neither the catalog nor the server gave one"
                 done.append((item, "downloaded" if checked is not None else "downloaded" + unchecked))
     return done
+
+
+def _for_file(on_bytes: Callable[[PlannedFile, int, int | None], None] | None, item: PlannedFile) -> OnBytes | None:
+    return None if on_bytes is None else lambda done, total: on_bytes(item, done, total)
 
 
 def _auth(item: PlannedFile, token: str | None) -> dict[str, str]:
@@ -298,6 +308,7 @@ def download(
     retries: int = 2,
     label: str = "",
     progress: bool | None = None,
+    on_bytes: OnBytes | None = None,
 ) -> int | None:
     """Stream `url` to `dest` through `dest.part`, resuming what an earlier try left there; the
     file takes its name only with the size it must have (and `sha256`, when given). `size` None:
@@ -309,7 +320,7 @@ def download(
     expected = _Size(size, listed=size is not None)
     for attempt in range(retries + 1):
         try:
-            _fetch_to_part(client, url, part, expected, headers or {}, label, progress)
+            _fetch_to_part(client, url, part, expected, headers or {}, label, progress, on_bytes)
             break
         except httpx.TransportError as exc:
             kept = part.stat().st_size if part.exists() else 0
@@ -329,7 +340,14 @@ def download(
 
 
 def _fetch_to_part(
-    client: httpx.Client, url: str, part: Path, size: _Size, headers: dict[str, str], label: str, progress: bool | None
+    client: httpx.Client,
+    url: str,
+    part: Path,
+    size: _Size,
+    headers: dict[str, str],
+    label: str,
+    progress: bool | None,
+    on_bytes: OnBytes | None = None,
 ) -> None:
     have = part.stat().st_size if part.exists() else 0
     if size.bytes is not None and have > size.bytes:
@@ -340,15 +358,22 @@ def _fetch_to_part(
     request_headers = {**headers, "range": f"bytes={have}-"} if have else headers
     with client.stream("GET", url, headers=request_headers) as response:
         # 416: the remote file is not longer than what the .part holds, so that is no prefix of it.
-        if response.status_code != 416 and _receive(response, url, part, have, size, label, progress):
+        if response.status_code != 416 and _receive(response, url, part, have, size, label, progress, on_bytes):
             return
     # Start over, without a Range.
     part.unlink()
-    _fetch_to_part(client, url, part, size, headers, label, progress)
+    _fetch_to_part(client, url, part, size, headers, label, progress, on_bytes)
 
 
 def _receive(
-    response: httpx.Response, url: str, part: Path, have: int, size: _Size, label: str, progress: bool | None
+    response: httpx.Response,
+    url: str,
+    part: Path,
+    have: int,
+    size: _Size,
+    label: str,
+    progress: bool | None,
+    on_bytes: OnBytes | None = None,
 ) -> bool:
     """Write the answer's body to `part`; False, writing nothing, when the `.part` cannot be
     resumed from this answer (no size known to check the joined file against)."""
@@ -365,7 +390,7 @@ def _receive(
         have = 0
         total = int(response.headers["content-length"]) if "content-length" in response.headers else None
     size.learn(total, label, url)
-    _write_body(response, part, "ab" if have else "wb", have, size.bytes, label, progress)
+    _write_body(response, part, "ab" if have else "wb", have, size.bytes, label, progress, on_bytes)
     return True
 
 
@@ -392,7 +417,14 @@ def _refuse_status(response: httpx.Response, url: str, label: str) -> None:
 
 
 def _write_body(
-    response: httpx.Response, part: Path, mode: str, have: int, size: int | None, label: str, progress: bool | None
+    response: httpx.Response,
+    part: Path,
+    mode: str,
+    have: int,
+    size: int | None,
+    label: str,
+    progress: bool | None,
+    on_bytes: OnBytes | None = None,
 ) -> None:
     bar = tqdm(
         total=size,
@@ -411,6 +443,9 @@ def _write_body(
             for chunk in response.iter_raw():
                 out.write(chunk)
                 bar.update(len(chunk))
+                have += len(chunk)
+                if on_bytes is not None:
+                    on_bytes(have, size)
     except OSError as exc:
         if exc.errno != errno.ENOSPC:
             raise

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from inference.protocol import _Wire
 
@@ -81,7 +81,16 @@ ContentBlockParam = Annotated[
 
 class MessageParam(_Wire):
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlockParam]
+    content: list[ContentBlockParam]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _string_is_one_text_block(cls, data: Any) -> Any:
+        """A string content is shorthand for one text block (Anthropic's own rule); read so,
+        a wrong block is named where it stands instead of as "not a string"."""
+        if isinstance(data, dict) and isinstance(data.get("content"), str):
+            return {**data, "content": [{"type": "text", "text": data["content"]}]}
+        return data
 
 
 class ToolParam(_Wire):

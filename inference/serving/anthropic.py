@@ -66,6 +66,17 @@ def _plain(text: str) -> str:
     return text.replace(IMAGE_MARKER, "")
 
 
+def _joined(parts: list[str]) -> str:
+    """A turn's pieces: text blocks a paragraph apart, each image marker where its block stood
+    (the images of the chat route's parts are placed the same way)."""
+    joined = ""
+    for index, part in enumerate(parts):
+        if index and IMAGE_MARKER not in (part, parts[index - 1]):
+            joined += BLOCK_SEPARATOR
+        joined += part
+    return joined
+
+
 def worker_messages(body: MessageCountTokensParams) -> tuple[list[dict[str, Any]], list[ImageBlockParam]]:
     """The conversation as the worker's chat messages (OpenAI's shape, which the chat templates
     take), and its image blocks in the order of their markers."""
@@ -76,9 +87,7 @@ def worker_messages(body: MessageCountTokensParams) -> tuple[list[dict[str, Any]
     images: list[ImageBlockParam] = []
     for index, message in enumerate(body.messages):
         param = f"messages.{index}.content"
-        if isinstance(message.content, str):
-            messages.append({"role": message.role, "content": _plain(message.content)})
-        elif message.role == "user":
+        if message.role == "user":
             messages += _user_turn(message.content, images, param)
         else:
             messages.append(_assistant_turn(message.content, param))
@@ -103,13 +112,13 @@ def _user_turn(blocks: list[Any], images: list[ImageBlockParam], param: str) -> 
             images.append(block)
         elif isinstance(block, ToolResultBlockParam):
             if parts:
-                turn.append({"role": "user", "content": BLOCK_SEPARATOR.join(parts)})
+                turn.append({"role": "user", "content": _joined(parts)})
                 parts = []
             turn.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block, param)})
         else:
             raise InvalidRequest(f"A user turn cannot hold a {block.type} block.", param=param)
     if parts:
-        turn.append({"role": "user", "content": BLOCK_SEPARATOR.join(parts)})
+        turn.append({"role": "user", "content": _joined(parts)})
     return turn
 
 

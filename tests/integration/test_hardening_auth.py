@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import hypnos_site.metrics as metrics_module
 from hypnos_site.config import KeyConfig
-from inference import views
+from inference import anthropic_views, views
 from inference.realtime import websocket_urlpatterns
 from inference.worker import Worker
 from logs import views as log_views
@@ -53,6 +53,9 @@ OPEN_TO_EVERY_KEY = {
     views.ImageUpscaleView,
     # A key deletes only its own documents (another key's are a 404: logs/pictures.py).
     log_views.DocumentView,
+    # Anthropic's Messages API (issue 17).
+    anthropic_views.MessagesView,
+    anthropic_views.CountTokensView,
 }
 # What a route's URL parameters are filled with when it is called.
 SAMPLE_ARGUMENTS = {"model_id": SMOL, "request_id": "req-" + "0" * 32, "document_id": "doc-" + "0" * 32, "index": "1"}

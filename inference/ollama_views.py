@@ -34,6 +34,10 @@ OLLAMA_VERSION = "0.12.6"
 
 
 class OllamaView(APIView):
+    # The request log's middleware answers a key's refusals (403, 429) in the route's own
+    # shape when its view names one.
+    error_response = staticmethod(ollama_error)
+
     def handle_exception(self, exc: Exception) -> HttpResponseBase:
         request = getattr(self, "request", None)
         record = getattr(getattr(request, "_request", None), "hypnos_call", None)

@@ -44,8 +44,15 @@ INFERENCE_ROUTES = frozenset(
 )
 
 
+# The Ollama API's inference routes (issue 17), called by their own paths.
+OLLAMA_INFERENCE_ROUTES = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embeddings"})
+
+
 def inference_route(path: str) -> str | None:
-    """`/v1/<route>` when `path` (under /v1 or /api/v1) is an inference route, else None."""
+    """`/v1/<route>` when `path` (under /v1 or /api/v1) is an inference route, the path itself
+    for one of Ollama's, else None."""
+    if path.rstrip("/") in OLLAMA_INFERENCE_ROUTES:
+        return path.rstrip("/")
     rest = path.removeprefix("/api")
     if not rest.startswith("/v1/"):
         return None

@@ -55,10 +55,12 @@ class LivePool:
         return self._backend.models()
 
     def names(self, name: str) -> set[str]:
-        """`name` with the id and aliases of the model it names, if any."""
-        for model in self.models():
-            if name in (model.id, *model.aliases):
-                return {model.id, *model.aliases}
+        """`name` with the id and aliases of the model it names, if any; `<name>:latest` (how
+        Ollama's clients name a model) names the model itself."""
+        for candidate in (name, name.removesuffix(":latest")):
+            for model in self.models():
+                if candidate in (model.id, *model.aliases):
+                    return {model.id, *model.aliases, name}
         return {name}
 
     async def add_model(self, body: dict[str, Any]) -> dict[str, Any]:

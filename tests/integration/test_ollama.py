@@ -21,6 +21,8 @@ from PIL import Image
 from hypnos_site.config import KeyConfig
 from inference.serving.pool import pool
 from inference.worker import Worker
+from logs.store import settled
+from models_registry import quotas as quotas_module
 from tests.integration.conftest import post_json, with_server
 from tests.integration.test_downloads import HubHandler, HubServer, HubState, entry, hub_file, variant
 from tests.integration.test_vision import TOKENS_PER_IMAGE, write_tiny_projector
@@ -394,6 +396,36 @@ async def test_pull_delete_and_unloading_need_an_admin_key(api, keys):
         assert response.status_code == 403, response.content
         assert set(response.json()) == {"error"} and "needs an admin key" in response.json()["error"]
     assert SMOL in {m.id for m in pool.models()}
+
+
+async def test_a_keys_model_list_and_limits_apply_with_ollamas_error_shape(api, settings, monkeypatch):
+    monkeypatch.setattr(quotas_module, "_memory_quotas", quotas_module.MemoryQuotas())
+    with_server(
+        settings,
+        api_keys=[ADMIN],
+        keys=[
+            KeyConfig(key="sk-smol", label="smol-only", models=[SMOL]),
+            KeyConfig(key="sk-rpm", label="rpm", requests_per_minute=1),
+        ],
+    )
+    short = {"messages": PARIS, "options": {"num_predict": 2}}
+    # Ollama's clients say `<name>:latest`: the key's model list knows it is the same model.
+    assert (await chat(api, {**short, "model": f"{SMOL}:latest"}, **bearer("sk-smol"))).status_code == 200
+    refused = await chat(api, {**short, "model": QWEN}, **bearer("sk-smol"))
+    assert refused.status_code == 403 and set(refused.json()) == {"error"} and QWEN in refused.json()["error"]
+    assert (await chat(api, short, **bearer("sk-rpm"))).status_code == 200
+    for stream in (False, True):
+        limited = await chat(api, {**short, "stream": stream}, **bearer("sk-rpm"))
+        assert limited.status_code == 429 and set(limited.json()) == {"error"}
+        assert int(limited["Retry-After"]) >= 1
+
+
+async def test_the_request_log_records_an_ollama_call(api):
+    response = await chat(api, {"messages": PARIS, "options": {"num_predict": 3}})
+    await settled()
+    entry = (await api.get(f"/v1/logs/{response['x-request-id']}")).json()
+    assert entry["route"] == "/api/chat" and entry["model"] == SMOL
+    assert entry["tokens_out"] == 3 and entry["status"] == 200
 
 
 # -- images and thinking -----------------------------------------------------------------------

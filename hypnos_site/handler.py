@@ -1,4 +1,5 @@
-"""Django's ASGI handler, with a request's thread-sensitive work on a pooled thread.
+"""Django's ASGI handler, with a request's thread-sensitive work on a pooled thread, and the
+security middlewares' hooks on the event loop (hypnos_site/inline_middleware.py).
 
 Django runs each request in a `ThreadSensitiveContext`: the first sync call of the request (the
 request_started signal's database receivers, a sync middleware hook, a query) starts a thread
@@ -13,7 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from asgiref.sync import ThreadSensitiveContext
+from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler
+
+from hypnos_site.inline_middleware import INLINE
 
 # Executors kept for the next requests; more at once than this are shut down when they end.
 POOL_SIZE = 32
@@ -23,6 +27,16 @@ class PooledASGIHandler(ASGIHandler):
     def __init__(self) -> None:
         super().__init__()
         self._idle: list[ThreadPoolExecutor] = []
+
+    def load_middleware(self, is_async: bool = False) -> None:
+        """Django's chain, with the inline subclasses where MIDDLEWARE names Django's security
+        middlewares (the names stay in the setting for Django's deploy checks)."""
+        named = settings.MIDDLEWARE
+        settings.MIDDLEWARE = [INLINE.get(path, path) for path in named]
+        try:
+            super().load_middleware(is_async)
+        finally:
+            settings.MIDDLEWARE = named
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":

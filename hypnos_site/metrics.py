@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import prometheus_client
-from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse
 from django_prometheus import middleware as django_prometheus
 from prometheus_client import multiprocess
@@ -445,11 +444,11 @@ async def metrics_view(request: HttpRequest) -> HttpResponse:
     from django.conf import settings
 
     from hypnos_site.errors import AuthenticationError, MethodNotAllowed
-    from models_registry.authentication import request_key_check
+    from models_registry.authentication import arequest_key_check
 
     if request.method not in ("GET", "HEAD"):
         return MethodNotAllowed(f'Method "{request.method}" not allowed.').response()
-    check = await sync_to_async(request_key_check)(request)
+    check = await arequest_key_check(request)
     if settings.HYPNOS.server.metrics_require_auth and check.refused:
         return AuthenticationError(check.problem or "").response()
     with_keys = not check.required or (check.principal is not None and check.principal.admin)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-from adrf.views import APIView
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, JsonResponse
 from rest_framework.parsers import BaseParser
@@ -42,6 +41,7 @@ from inference.serving import (
     responses,
 )
 from inference.serving.context import RequestContext
+from models_registry.api_view import APIView
 from models_registry.authentication import IsAdminKey, IsAdminKeyForChanges, is_admin
 
 STARTED_AT = time.time()

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any
 
-from asgiref.sync import markcoroutinefunction, sync_to_async
+from asgiref.sync import markcoroutinefunction
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
@@ -45,7 +45,7 @@ from logs.capture import (
 )
 from logs.record import CallRecord
 from logs.store import levels, store_later
-from models_registry.authentication import ApiPrincipal, request_key_check
+from models_registry.authentication import ApiPrincipal, arequest_key_check
 from models_registry.quotas import STREAM_LEASE_SECS, Permit, get_quotas
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class InferenceCallAccount:
 
     async def admit(self) -> HttpResponseBase | None:
         """The key's model restriction and limits: a 403 or 429 response, or None to go on."""
-        check = await sync_to_async(request_key_check)(self.request)
+        check = await arequest_key_check(self.request)
         self.principal = check.principal
         principal = self.principal
         if principal is None:

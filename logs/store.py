@@ -7,10 +7,10 @@ import asyncio
 import logging
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db.models import Q, QuerySet
 
@@ -46,18 +46,23 @@ def storable(value: Any) -> Any:
 
 # The entries being written after their responses went out (store_later), so that a reader of
 # the log in this process (GET /v1/logs, a clear) sees every call answered before it.
-_writing: set[asyncio.Task[Any]] = set()
+_writing: set[asyncio.Future[Any]] = set()
+
+
+# One writer thread, so the entries land in the order their calls were answered (on a pool of
+# threads, five quick calls could be stored out of order, and the ring buffer then kept others).
+_writer = ThreadPoolExecutor(1, thread_name_prefix="hypnos-log")
 
 
 def store_later(fields: dict[str, Any]) -> None:
     """Write the entry in the background: the call's response does not wait for the database.
     Off the request's thread-sensitive executor, which is gone once the response is out."""
-    task = asyncio.ensure_future(sync_to_async(store_entry, thread_sensitive=False)(fields))
+    task = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(_writer, store_entry, fields))
     _writing.add(task)
     task.add_done_callback(_written)
 
 
-def _written(task: asyncio.Task[Any]) -> None:
+def _written(task: asyncio.Future[Any]) -> None:
     _writing.discard(task)
     if not task.cancelled() and task.exception() is not None:
         log.error("writing a request log entry failed", exc_info=task.exception())

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import cast
 
-from adrf.views import APIView
 from asgiref.sync import sync_to_async
 from django.db.models import QuerySet
 from django.http import HttpResponse, JsonResponse
@@ -27,6 +26,7 @@ from hypnos_site.errors import InvalidRequest, NotFound
 from logs import pictures
 from logs.models import RequestLogEntry
 from logs.store import LogQuery, capacity, levels, settled
+from models_registry.api_view import APIView
 from models_registry.authentication import ApiPrincipal, IsAdminKey, IsAdminKeyForChanges, is_admin
 
 

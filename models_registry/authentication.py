@@ -12,6 +12,7 @@ import hmac
 import time
 from dataclasses import dataclass
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.http import HttpRequest
 from rest_framework import exceptions
@@ -92,6 +93,10 @@ class _DbKeyPresence:
             self._checked_at = now
         return self._present
 
+    def known(self) -> bool | None:
+        """What the last read found while it is fresh, else None (no database access)."""
+        return self._present if time.monotonic() - self._checked_at <= DB_KEYS_TTL_SECS else None
+
     def invalidate(self) -> None:
         self._checked_at = float("-inf")
 
@@ -111,12 +116,17 @@ def bearer_token(header: str) -> str | None:
     return token.strip()
 
 
-def principal_for(key: str) -> ApiPrincipal | None:
+def _config_principal(key: str) -> ApiPrincipal | None:
     match = None
     for configured, principal in _config_principals():
         # Compare every configured key, so the time taken does not tell which one was close.
         if hmac.compare_digest(configured.encode(), key.encode()):
             match = principal
+    return match
+
+
+def principal_for(key: str) -> ApiPrincipal | None:
+    match = _config_principal(key)
     if match:
         return match
     record = ApiKey.objects.filter(key_hash=hash_key(key), active=True).first()
@@ -159,15 +169,46 @@ def check_authorization(header: str) -> KeyCheck:
     return KeyCheck(required=True, principal=principal)
 
 
+def check_without_database(header: str) -> KeyCheck | None:
+    """check_authorization's answer when it needs no database read (no key anywhere, a missing
+    key, a configured key), else None: the caller runs check_authorization on a thread. Safe on
+    the event loop; this is what keeps a thread hop off most requests."""
+    server = settings.HYPNOS.server
+    in_database = db_keys_present.known()
+    if in_database is None:
+        return None
+    if not (server.api_keys or server.keys or in_database):
+        return KeyCheck(required=False)
+    token = bearer_token(header)
+    if token is None:
+        return KeyCheck(required=True, problem=MISSING)
+    principal = _config_principal(token)
+    return KeyCheck(required=True, principal=principal) if principal else None
+
+
+def authorization_header(request: HttpRequest) -> str:
+    """The request's key as an Authorization header: `Authorization`, else Anthropic's `x-api-key`."""
+    header = request.META.get("HTTP_AUTHORIZATION", "")
+    if not header and request.META.get("HTTP_X_API_KEY"):
+        header = f"Bearer {request.META['HTTP_X_API_KEY']}"
+    return header
+
+
+async def arequest_key_check(request: HttpRequest) -> KeyCheck:
+    """request_key_check from the event loop: on it when no database read is needed, else on a
+    thread (sync_to_async)."""
+    check = getattr(request, "hypnos_key_check", None) or check_without_database(authorization_header(request))
+    if check is None:
+        return await sync_to_async(request_key_check)(request)
+    request.hypnos_key_check = check  # type: ignore[attr-defined]
+    return check
+
+
 def request_key_check(request: HttpRequest) -> KeyCheck:
     """The request's KeyCheck, computed once per request (sync context)."""
     check = getattr(request, "hypnos_key_check", None)
     if check is None:
-        header = request.META.get("HTTP_AUTHORIZATION", "")
-        if not header and request.META.get("HTTP_X_API_KEY"):
-            # Anthropic's SDKs send the key as `x-api-key`, beside OpenAI's Bearer.
-            header = f"Bearer {request.META['HTTP_X_API_KEY']}"
-        check = check_authorization(header)
+        check = check_authorization(authorization_header(request))
         request.hypnos_key_check = check  # type: ignore[attr-defined]
     return check
 

@@ -42,7 +42,7 @@ from inference.protocol_ollama import (
 from inference.serving import image_input
 from inference.serving.chat import capped_max_tokens, check_grammars, model_defaults, record_stats
 from inference.serving.context import RequestContext, check_prompt_chars, start_call, with_wait_estimate
-from inference.serving.ollama_models import TIER1, find_model
+from inference.serving.ollama_models import TIER1, find_model, timestamp
 from inference.serving.render import ollama_ndjson_error
 from inference.wire import Delta, Done, EmbedWork, GenerateWork, Reasoning, Usage
 from logs.record import CallRecord
@@ -157,6 +157,7 @@ def worker_messages(messages: list[Message], model: ModelConfig) -> tuple[list[d
 
 
 def nanoseconds(ms: Any) -> int:
+    """Milliseconds of the telemetry as Ollama's nanoseconds (0 when the telemetry has none)."""
     return int(float(ms) * 1_000_000) if isinstance(ms, int | float) else 0
 
 
@@ -219,14 +220,17 @@ class Shape:
 
 
 def now() -> str:
-    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    """`created_at`: RFC 3339 in UTC."""
+    return timestamp(datetime.now(UTC))
 
 
 def line(payload: dict[str, Any]) -> str:
+    """One NDJSON line."""
     return json.dumps(payload, ensure_ascii=False) + "\n"
 
 
 def ndjson_response(lines: AsyncIterator[str]) -> StreamingHttpResponse:
+    """A stream of NDJSON lines, unbuffered by proxies."""
     response = StreamingHttpResponse(lines, content_type=NDJSON)
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"

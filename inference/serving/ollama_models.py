@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
@@ -282,7 +281,3 @@ async def show(client: InferenceClient, name: str, *, admin: bool) -> dict[str, 
         "capabilities": capabilities(model, state),
         "modified_at": timestamp(facts.modified or 0.0),
     }
-
-
-def models_dir() -> Path:
-    return Path(os.path.realpath(settings.HYPNOS.models_dir))

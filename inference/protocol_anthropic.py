@@ -145,6 +145,18 @@ ThinkingConfigParam = Annotated[
 ]
 
 
+class JSONOutputFormatParam(_Wire):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfigParam(_Wire):
+    """Structured outputs: the answer's text matches `format`'s schema (a grammar enforces it).
+    `effort` is not read."""
+
+    format: JSONOutputFormatParam | None = None
+
+
 class MetadataParam(_Wire):
     user_id: str | None = None
 
@@ -158,6 +170,7 @@ class MessageCountTokensParams(_Wire):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingConfigParam | None = None
+    output_config: OutputConfigParam | None = None
 
 
 class MessageCreateParams(MessageCountTokensParams):

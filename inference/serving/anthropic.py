@@ -188,7 +188,9 @@ async def _prompt_fields(body: MessageCountTokensParams, model: ModelConfig) -> 
         for t in body.tools or []
     ]
     choice = tool_choice(body)
-    check_grammars(None, "tools", tools, choice)
+    output_format = body.output_config.format if body.output_config else None
+    schema = output_format.schema_ if output_format else None
+    check_grammars(schema, "output_config.format", tools, choice)
     think, budget = thinking_request(body)
     policy = image_input.ImagePolicy.from_limits(settings.HYPNOS.limits)
     images = [await image_input.load_image(block.url(), policy) for block in image_blocks]
@@ -196,6 +198,8 @@ async def _prompt_fields(body: MessageCountTokensParams, model: ModelConfig) -> 
         "messages": messages,
         "tools": tools or None,
         "tool_choice": choice,
+        "json_schema": schema,
+        "schema_param": "output_config.format",
         "think": think,
         "thinking_budget": budget,
         "images": images,

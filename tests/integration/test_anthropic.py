@@ -60,7 +60,7 @@ def ask(model: str = SMOL, **extra: Any) -> dict[str, Any]:
 
 def counted(body: dict[str, Any]) -> dict[str, Any]:
     """The count_tokens body of a messages body: what shapes the prompt, nothing that samples."""
-    keys = ("model", "messages", "system", "tools", "tool_choice", "thinking")
+    keys = ("model", "messages", "system", "tools", "tool_choice", "thinking", "output_config")
     return {key: value for key, value in body.items() if key in keys}
 
 
@@ -214,6 +214,23 @@ async def test_an_earlier_assistant_turn_is_in_the_prompt(api):
 async def test_the_lemonade_prefix_serves_the_same_route(api):
     body = await message(api, ask(max_tokens=3), path="/api/v1/messages")
     assert body["content"] == [{"type": "text", "text": "The capital of"}]
+
+
+async def test_output_config_format_makes_the_answer_json_of_the_schema(api):
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 20}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    body = ask(output_config={"format": {"type": "json_schema", "schema": schema}})
+    answer = await message(api, body)
+    assert answer["stop_reason"] == "end_turn"
+    assert set(json.loads(answer["content"][0]["text"])) == {"capital"}
+    assert whole_prompt(answer["usage"]) == await count(api, body)
+    too_big = {"type": "json_schema", "schema": {"type": "string", "minLength": 5000}}
+    words = await refused_both_ways(api, ask(output_config={"format": too_big}), 400, "invalid_request_error")
+    assert "max_grammar_repetition" in words
 
 
 # -- count_tokens -----------------------------------------------------------------------------

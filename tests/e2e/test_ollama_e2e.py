@@ -46,7 +46,7 @@ def test_the_client_lists_shows_and_sees_what_runs(server):
     running = {m.model: m for m in ollama_client.ps().models}
     assert running[f"{SMOL}:latest"].size > smol.size  # the weights and the context
     assert running[f"{SMOL}:latest"].expires_at > datetime.now(UTC)
-    assert running[f"{SMOL}:latest"].context_length == 4096
+    assert running[f"{SMOL}:latest"].context_length >= 4096
     shown = ollama_client.show(SMOL)
     assert shown.capabilities == ["completion"] and shown.modelinfo["general.architecture"] == "llama"
     assert shown.details.parameter_size == "135M"

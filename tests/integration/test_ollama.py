@@ -22,6 +22,7 @@ from hypnos_site.config import KeyConfig
 from inference.serving.pool import pool
 from inference.worker import Worker
 from logs.store import settled
+from models_registry import downloads
 from models_registry import quotas as quotas_module
 from tests.integration.conftest import post_json, with_server
 from tests.integration.test_downloads import HubHandler, HubServer, HubState, entry, hub_file, variant
@@ -351,6 +352,20 @@ async def test_a_refusal_is_the_same_status_and_body_streamed_or_not(api):
         assert plain == streamed and set(plain) == {"error"} and words in plain["error"], plain
 
 
+async def test_a_model_that_cannot_fit_is_the_same_507_streamed_or_not(api, settings, serve):
+    small = [m.model_copy(update={"initial_tier": "tier3_nvme_ssd"}) for m in settings.HYPNOS.models[:2]]
+    hardware = settings.HYPNOS.hardware.model_copy(update={"simulated_vram_bytes": 300_000_000})
+    settings.HYPNOS = settings.HYPNOS.model_copy(update={"models": small, "hardware": hardware})
+    serve(settings.HYPNOS)
+    answers = [await chat(api, {"model": QWEN, "messages": PARIS, "stream": stream}) for stream in (False, True)]
+    answers.append(await post_json(api, "/api/generate", {"model": QWEN}))  # a load
+    for answer in answers:
+        assert answer.status_code == 507 and answer["content-type"] == "application/json"
+    bodies = [a.json() for a in answers]
+    assert bodies[0] == bodies[1] and set(bodies[0]) == {"error"} and QWEN in bodies[0]["error"]
+    assert set(bodies[2]) == {"error"} and QWEN in bodies[2]["error"]
+
+
 async def test_a_body_that_is_not_json_is_a_400_in_ollamas_shape(api):
     response = await api.post("/api/chat", data="{not json", content_type="application/json")
     assert response.status_code == 400 and set(response.json()) == {"error"}
@@ -605,6 +620,14 @@ async def test_a_pull_refusal_is_the_same_streamed_or_not(api, pulling, hub):
             assert response.status_code == 404 and response["content-type"] == "application/json"
             assert response.json() == {"error": f"model '{name}' not found"}
     assert hub.requests == []
+
+
+async def test_a_pull_that_does_not_fit_on_disk_is_a_507_before_any_byte(api, pulling, hub, monkeypatch):
+    monkeypatch.setattr(downloads, "_free_bytes", lambda path: 500)
+    for stream in (True, False):
+        response = await pull(api, PULLED, stream)
+        assert response.status_code == 507 and "disk space" in response.json()["error"]
+    assert hub.requests == [] and not (pulling / "smol-pulled.gguf").exists()
 
 
 async def test_a_download_that_fails_its_check_ends_the_stream_with_an_error_line(api, pulling):

@@ -8,6 +8,7 @@ from typing import Any
 
 from adrf.views import APIView
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
 from rest_framework.request import Request
 
 from hypnos_site import __version__
@@ -115,6 +116,8 @@ class UnknownView(OllamaView):
     get = post = put = patch = delete = head = _not_found
 
 
+# Not DRF views, so Django's CSRF check would answer another method with its HTML 403.
+@csrf_exempt
 async def version(request: HttpRequest) -> HttpResponseBase:
     """GET /api/version, open like /health: what clients probe before anything else."""
     if request.method not in ("GET", "HEAD"):
@@ -122,6 +125,7 @@ async def version(request: HttpRequest) -> HttpResponseBase:
     return JsonResponse({"version": OLLAMA_VERSION, "hypnos_version": __version__})
 
 
+@csrf_exempt
 async def root(request: HttpRequest) -> HttpResponseBase:
     """HEAD / and GET /: Ollama's liveness answer (the web playground takes GET / later)."""
     if request.method not in ("GET", "HEAD"):

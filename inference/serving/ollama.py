@@ -447,6 +447,13 @@ def floats(raw: bytes, dimensions: int | None = None) -> list[float]:
     return vector.tolist()  # type: ignore[no-any-return]
 
 
+def embedded_tokens(done: Done) -> int:
+    """The prompt tokens an embed op reports in its result (a dict or a typed result)."""
+    result = done.result
+    tokens = result.get("prompt_tokens") if isinstance(result, dict) else getattr(result, "prompt_tokens", None)
+    return tokens if isinstance(tokens, int) else 0
+
+
 async def create_embed(client: InferenceClient, body: EmbedRequest, ctx: RequestContext) -> JsonResponse:
     """POST /api/embed: one vector per input, the vectors of /v1/embeddings."""
     started = time.perf_counter()
@@ -459,7 +466,7 @@ async def create_embed(client: InferenceClient, body: EmbedRequest, ctx: Request
             "embeddings": [floats(v, body.dimensions) for v in drained.vectors],
             "total_duration": int((time.perf_counter() - started) * 1e9),
             "load_duration": nanoseconds(done.telemetry.get("tier_switch_latency_ms")),
-            "prompt_eval_count": (done.result or {}).get("prompt_tokens", 0),
+            "prompt_eval_count": embedded_tokens(done),
             "hypnos_telemetry": done.telemetry,
         }
     )

@@ -74,6 +74,8 @@ async def test_it_answers_head_and_get_on_the_root_as_ollama_does(api):
     assert got["content-type"].startswith("text/plain")
     head = await api.head("/")
     assert head.status_code == 200 and head.content == b""
+    posted = await api.post("/", data="{}", content_type="application/json")
+    assert posted.status_code == 405 and set(posted.json()) == {"error"}
     version = (await api.get("/api/version")).json()
     assert [int(part) for part in version["version"].split(".")] >= [0, 5, 0]
 

@@ -21,6 +21,7 @@ from hypnos_site.config import KeyConfig
 from inference.worker import Worker
 from memory.gguf import read_gguf
 from tests.integration.conftest import post_json, with_limits, with_server
+from tests.integration.test_http_contract import FailingAfterOneTokenEngine, with_engine
 from tests.integration.test_vision import TOKENS_PER_IMAGE, png_data_url, write_tiny_projector
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -84,6 +85,7 @@ async def stream(api: Any, body: dict[str, Any], **headers: str) -> list[tuple[s
     response = await post_json(api, URL, body | {"stream": True}, **headers)
     assert response.status_code == 200, response.content
     assert response["content-type"].startswith("text/event-stream")
+    assert response["x-request-id"].startswith("req-") and "x-hypnos-estimated-wait-ms" in response
     raw = b"".join([chunk async for chunk in response.streaming_content]).decode()
     events = []
     for block in raw.strip().split("\n\n"):
@@ -136,7 +138,9 @@ async def refused_both_ways(api: Any, body: dict[str, Any], status: int, kind: s
 
 
 async def test_it_answers_with_the_models_real_answer(api):
-    body = await message(api, ask())
+    response = await post_json(api, URL, ask())
+    assert response.status_code == 200 and float(response["x-hypnos-estimated-wait-ms"]) >= 0
+    body = response.json()
     assert body["id"].startswith("msg_") and body["type"] == "message" and body["role"] == "assistant"
     assert body["model"] == SMOL
     assert body["content"] == [{"type": "text", "text": PARIS_ANSWER}]
@@ -336,6 +340,32 @@ async def test_a_model_beyond_the_memory_budget_is_the_same_507_streamed_or_not(
     )
     worker = serve(settings.HYPNOS.model_copy(update={"models": [smol], "hardware": hardware}))
     await refused_both_ways(api, ask(), 507, "overloaded_error")
+    assert worker.models[SMOL].admitted == 0
+
+
+async def test_a_failure_mid_stream_is_one_error_event_after_what_was_sent(api, settings, use_worker):
+    worker = Worker(settings.HYPNOS)
+    use_worker(with_engine(worker, FailingAfterOneTokenEngine(worker.models[SMOL].config, None, 1)))
+    response = await post_json(api, URL, ask(stream=True))
+    assert response.status_code == 200
+    raw = b"".join([chunk async for chunk in response.streaming_content]).decode()
+    blocks = raw.strip().split("\n\n")
+    assert [block.split("\n")[0] for block in blocks] == [
+        "event: message_start",
+        "event: ping",
+        "event: content_block_start",
+        "event: content_block_delta",
+        "event: error",
+    ]
+    assert '"text": "Hel"' in blocks[3]
+    error = json.loads(blocks[-1].split("\n")[1].removeprefix("data: "))
+    assert error["type"] == "error" and error["error"]["type"] == "api_error"
+    assert "decode failed" in error["error"]["message"]
+    # Not streamed, the same failure is a 500 in the envelope.
+    assert (
+        "decode failed"
+        in assert_anthropic_error(await post_json(api, URL, ask()), 500, "api_error")["error"]["message"]
+    )
     assert worker.models[SMOL].admitted == 0
 
 

@@ -247,6 +247,7 @@ def usage_of(usage: Usage | None) -> dict[str, Any]:
 
 
 def stop_reason(done: Done) -> str:
+    """end_turn, max_tokens, stop_sequence (a stop string ended it) or tool_use."""
     if done.stop_sequence is not None:
         return "stop_sequence"
     return STOP_REASONS.get(done.finish_reason or "", "end_turn")

@@ -38,6 +38,7 @@ from redis.exceptions import RedisError
 
 from hypnos_site.errors import EngineTimeout, HypnosError, InvalidRequest, ModelNotAvailable, ServerError
 from inference.entities import Span
+from inference.transcripts import Transcript
 from inference.wire import (
     TERMINAL,
     Accepted,
@@ -46,6 +47,7 @@ from inference.wire import (
     ControlRequest,
     Delta,
     Done,
+    Embedded,
     EngineRequest,
     EntitiesFound,
     Error,
@@ -184,10 +186,10 @@ def _note(record: CallRecord, event: Event) -> None:
     elif isinstance(event, Done):
         if event.usage is not None:
             record.note_usage(event.usage.prompt_tokens, event.usage.completion_tokens, event.usage.cached_tokens)
-        elif event.result and isinstance(event.result.get("prompt_tokens"), int):
-            record.note_usage(event.result["prompt_tokens"], 0, 0)
-        if event.result and isinstance(event.result.get("text"), str):
-            record.output.add(event.result["text"])
+        elif isinstance(event.result, Embedded):
+            record.note_usage(event.result.prompt_tokens, 0, 0)
+        if isinstance(event.result, Transcript):
+            record.output.add(event.result.text)
         record.finish_reason = event.finish_reason
         record.note_telemetry(event.telemetry)
 

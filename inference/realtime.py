@@ -35,6 +35,7 @@ from inference.protocol_media import TranscriptionRequest
 from inference.runtime import get_client
 from inference.serving.context import RequestContext
 from inference.serving.render import ws_error
+from inference.transcripts import Transcript
 
 log = logging.getLogger(__name__)
 RATE = 24_000  # pcm16 in the Realtime API is 24 kHz mono
@@ -395,19 +396,20 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                     error=ws_error(exc),
                 )
                 continue
-            result = done.result or {}
-            for segment in result["segments"]:
+            result = done.result
+            assert isinstance(result, Transcript)
+            for segment in result.segments:
                 await self.send_event(
                     "conversation.item.input_audio_transcription.delta",
                     item_id=item_id,
                     content_index=0,
-                    delta=segment["text"],
+                    delta=segment.text,
                 )
             await self.send_event(
                 "conversation.item.input_audio_transcription.completed",
                 item_id=item_id,
                 content_index=0,
-                transcript=result["text"],
+                transcript=result.text,
                 hypnos_telemetry=done.telemetry,
             )
 

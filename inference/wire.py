@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from hypnos_site.errors import HypnosError, ServerError
 from inference.entities import Span
+from inference.transcripts import Transcript
 
 if TYPE_CHECKING:
     from inference.engines.base import ChatWork
@@ -432,6 +433,28 @@ class EntitiesFound:
     spans: list[Span]
 
 
+# -- what a media op made (Done.result) -------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class SpeechMade:
+    """What a speech op sent as AudioChunks: its length and format facts."""
+
+    kind: Literal["speech_made"] = "speech_made"
+    audio_secs: float
+    samples: int
+    sample_rate: int
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Embedded:
+    kind: Literal["embedded"] = "embedded"
+    prompt_tokens: int
+
+
+MediaResult = Transcript | SpeechMade | Embedded
+
+
 @dataclass(slots=True, frozen=True, kw_only=True)
 class Usage:
     prompt_tokens: int = 0
@@ -446,14 +469,15 @@ class Usage:
 @dataclass(slots=True, frozen=True, kw_only=True)
 class Done:
     """The end of a request: usage and telemetry (hypnos_telemetry, spec §5); `result` for the
-    media work (transcript, speech facts, embedding token count)."""
+    media work (a MediaResult), and for a document conversion the converted document's body
+    (the route's JSON answer, built by the job)."""
 
     kind: Literal["done"] = "done"
     telemetry: dict[str, Any] = field(default_factory=dict)
     usage: Usage | None = None
     finish_reason: str | None = None
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
-    result: dict[str, Any] | None = None
+    result: MediaResult | dict[str, Any] | None = None
     # Issue 17: the stop string that ended a chat (finish_reason "stop"), for Anthropic's
     # stop_reason "stop_sequence"; None when the model ended its turn itself.
     stop_sequence: str | None = None

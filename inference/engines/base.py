@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from hypnos_site.config import LimitsConfig, ModelConfig
 from inference.entities import Span
+from inference.transcripts import Transcript
 from memory.kv_park import ParkedState
 from memory.planner import Footprint
 
@@ -90,6 +91,16 @@ class ChatWork:
     count_only: bool = False
     # Set by the engine's prepare_chat in the worker, never sent by the web process.
     prepared: PreparedPrompt | None = None
+
+
+@dataclass(frozen=True)
+class TranscribeOptions:
+    """A transcription's request fields, as Engine.transcribe reads them."""
+
+    language: str | None = None
+    prompt: str | None = None
+    temperature: float = 0.0
+    word_timestamps: bool = False
 
 
 @dataclass
@@ -295,8 +306,8 @@ class Engine(ABC):
         the vectors of single calls), and the prompt tokens they took."""
         raise NotImplementedError(f"{type(self).__name__} does not serve embeddings")
 
-    def transcribe(self, samples: Any, options: dict[str, Any], cancel: threading.Event) -> dict[str, Any]:
-        """Mono float32 samples at 16 kHz -> `text`, `language` and `segments` (with times)."""
+    def transcribe(self, samples: Any, options: TranscribeOptions, cancel: threading.Event) -> Transcript:
+        """Mono float32 samples at 16 kHz -> the text, its language and its timed segments."""
         raise NotImplementedError(f"{type(self).__name__} does not serve speech-to-text")
 
     def synthesize(self, text: str, voice: str, speed: float) -> tuple[Any, int]:

@@ -17,7 +17,8 @@ from faster_whisper import WhisperModel
 
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import Cancelled, InvalidRequest, ModelNotAvailable
-from inference.engines.base import Engine, LoadPhases
+from inference.engines.base import Engine, LoadPhases, TranscribeOptions
+from inference.transcripts import Segment, Transcript, Word
 from memory.planner import Footprint, footprint_from_files
 
 # Measured on Whisper tiny.en int8 (2-core CPU): the process grows ~80 MB beyond the weights
@@ -95,52 +96,54 @@ class WhisperEngine(Engine):
         self._small_files = {}
         self._release(self.files)
 
-    def transcribe(self, samples: np.ndarray, options: dict[str, Any], cancel: threading.Event) -> dict[str, Any]:
+    def transcribe(self, samples: np.ndarray, options: TranscribeOptions, cancel: threading.Event) -> Transcript:
+        from inference.engines.audio import TRANSCRIBE_RATE
+
         model = self._model
         assert model is not None, "transcribe on an unloaded engine"
-        language = options.get("language")
+        language = options.language
         if language and not model.model.is_multilingual and language != "en":
             raise InvalidRequest(
                 f"The model {self.model.id!r} transcribes English only (language 'en').", param="language"
             )
-        temperature = options.get("temperature") or 0.0
-        word_timestamps = bool(options.get("word_timestamps"))
+        temperature = options.temperature or 0.0
+        word_timestamps = options.word_timestamps
         segments, info = model.transcribe(
             samples,
             language=language if model.model.is_multilingual else "en",
-            initial_prompt=options.get("prompt") or None,
+            initial_prompt=options.prompt or None,
             temperature=FALLBACK_TEMPERATURES if temperature == 0 else temperature,
             beam_size=5,
             word_timestamps=word_timestamps,
             condition_on_previous_text=False,
         )
-        found: list[dict[str, Any]] = []
+        found: list[Segment] = []
         for segment in segments:  # decoding happens while iterating
             if cancel.is_set():
                 raise Cancelled("the request was cancelled")
             found.append(_segment(segment, len(found), word_timestamps))
-        return {
-            "text": " ".join(s["text"].strip() for s in found).strip(),
-            "language": info.language,
-            "segments": found,
-        }
+        return Transcript(
+            text=" ".join(s.text.strip() for s in found).strip(),
+            language=info.language,
+            segments=found,
+            duration_secs=round(len(samples) / TRANSCRIBE_RATE, 3),
+        )
 
 
-def _segment(segment: Any, index: int, with_words: bool) -> dict[str, Any]:
-    out = {
-        "id": index,
-        "seek": segment.seek,
-        "start": round(segment.start, 2),
-        "end": round(segment.end, 2),
-        "text": segment.text,
-        "tokens": list(segment.tokens),
-        "temperature": segment.temperature,
-        "avg_logprob": segment.avg_logprob,
-        "compression_ratio": segment.compression_ratio,
-        "no_speech_prob": segment.no_speech_prob,
-    }
+def _segment(segment: Any, index: int, with_words: bool) -> Segment:
+    words = None
     if with_words:
-        out["words"] = [
-            {"word": w.word, "start": round(w.start, 2), "end": round(w.end, 2)} for w in segment.words or []
-        ]
-    return out
+        words = [Word(word=w.word, start=round(w.start, 2), end=round(w.end, 2)) for w in segment.words or []]
+    return Segment(
+        id=index,
+        seek=segment.seek,
+        start=round(segment.start, 2),
+        end=round(segment.end, 2),
+        text=segment.text,
+        tokens=list(segment.tokens),
+        temperature=segment.temperature,
+        avg_logprob=segment.avg_logprob,
+        compression_ratio=segment.compression_ratio,
+        no_speech_prob=segment.no_speech_prob,
+        words=words,
+    )

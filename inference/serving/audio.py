@@ -12,6 +12,7 @@ import io
 import math
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from typing import Any
 
 from django.conf import settings
@@ -29,7 +30,8 @@ from inference.serving.context import (
     start_call,
     with_wait_estimate,
 )
-from inference.wire import AudioChunk, Done, SpeechWork, TranscribeWork
+from inference.transcripts import Segment, Transcript
+from inference.wire import AudioChunk, Done, SpeechMade, SpeechWork, TranscribeWork
 
 INLINE_AUDIO_BYTES = 512 << 10
 CONTENT_TYPES = {
@@ -167,42 +169,43 @@ async def create_transcription(
         call, done = await asyncio.wait_for(transcribe(client, body, audio, ctx), timeout)
     except TimeoutError:
         return request_timed_out(timeout)
-    result, telemetry = done.result or {}, done.telemetry
+    result, telemetry = done.result, done.telemetry
+    assert isinstance(result, Transcript)
     fmt = body.response_format
     if fmt in ("json", "verbose_json"):
         shaped = _json_transcript(result, body) if fmt == "json" else _verbose_transcript(result, body)
         response: HttpResponse = JsonResponse({**shaped, "hypnos_telemetry": telemetry})
     else:
-        text = {"text": result["text"] + "\n", "srt": srt(result["segments"]), "vtt": vtt(result["segments"])}[fmt]
+        text = {"text": result.text + "\n", "srt": srt(result.segments), "vtt": vtt(result.segments)}[fmt]
         response = HttpResponse(text, content_type=f"text/{'vtt' if fmt == 'vtt' else 'plain'}; charset=utf-8")
         telemetry_headers(response, telemetry)
     return with_wait_estimate(response, call)
 
 
-def _usage(result: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "duration", "seconds": math.ceil(result["duration_secs"])}
+def _usage(result: Transcript) -> dict[str, Any]:
+    return {"type": "duration", "seconds": math.ceil(result.duration_secs)}
 
 
-def _json_transcript(result: dict[str, Any], body: TranscriptionRequest) -> dict[str, Any]:
-    shaped: dict[str, Any] = {"text": result["text"], "duration_secs": result["duration_secs"], "usage": _usage(result)}
+def _json_transcript(result: Transcript, body: TranscriptionRequest) -> dict[str, Any]:
+    shaped: dict[str, Any] = {"text": result.text, "duration_secs": result.duration_secs, "usage": _usage(result)}
     if body.language:
         shaped["language"] = body.language
     return shaped
 
 
-def _verbose_transcript(result: dict[str, Any], body: TranscriptionRequest) -> dict[str, Any]:
-    language = result.get("language") or body.language or ""
+def _verbose_transcript(result: Transcript, body: TranscriptionRequest) -> dict[str, Any]:
+    language = result.language or body.language or ""
     shaped: dict[str, Any] = {
         "task": "transcribe",
         "language": LANGUAGE_NAMES.get(language, language),
-        "duration": result["duration_secs"],
-        "duration_secs": result["duration_secs"],
-        "text": result["text"],
-        "segments": [{k: v for k, v in s.items() if k != "words"} for s in result["segments"]],
+        "duration": result.duration_secs,
+        "duration_secs": result.duration_secs,
+        "text": result.text,
+        "segments": [{k: v for k, v in asdict(s).items() if k != "words"} for s in result.segments],
         "usage": _usage(result),
     }
     if "word" in body.timestamp_granularities:
-        shaped["words"] = [w for s in result["segments"] for w in s.get("words", [])]
+        shaped["words"] = [asdict(w) for s in result.segments for w in s.words or []]
     return shaped
 
 
@@ -214,16 +217,15 @@ def _clock(secs: float, separator: str) -> str:
     return f"{hours:02d}:{minutes:02d}:{seconds:02d}{separator}{millis:03d}"
 
 
-def srt(segments: list[dict[str, Any]]) -> str:
+def srt(segments: list[Segment]) -> str:
     return "".join(
-        f"{i}\n{_clock(s['start'], ',')} --> {_clock(s['end'], ',')}\n{s['text'].strip()}\n\n"
-        for i, s in enumerate(segments, 1)
+        f"{i}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text.strip()}\n\n" for i, s in enumerate(segments, 1)
     )
 
 
-def vtt(segments: list[dict[str, Any]]) -> str:
+def vtt(segments: list[Segment]) -> str:
     return "WEBVTT\n\n" + "".join(
-        f"{_clock(s['start'], '.')} --> {_clock(s['end'], '.')}\n{s['text'].strip()}\n\n" for s in segments
+        f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text.strip()}\n\n" for s in segments
     )
 
 
@@ -266,7 +268,9 @@ async def create_speech(client: InferenceClient, body: SpeechRequest, ctx: Reque
     response = HttpResponse(b"".join(drained.audio), content_type=content_type)
     telemetry_headers(response, drained.done.telemetry)
     # Hypnos extension: the samples synthesized (24 kHz), for clients that check completeness.
-    response["x-hypnos-audio-samples"] = str((drained.done.result or {})["samples"])
+    made = drained.done.result
+    assert isinstance(made, SpeechMade)
+    response["x-hypnos-audio-samples"] = str(made.samples)
     return with_wait_estimate(response, call)
 
 

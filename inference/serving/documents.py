@@ -226,6 +226,11 @@ def _job_events(feed: JobFeed, job_id: str, record: CallRecord) -> AsyncGenerato
     return jobs.job_events(feed, DocumentJob, job_id, record)
 
 
+def _document_of(done: Done) -> dict[str, Any]:
+    """The converted document's body the job sent in its Done."""
+    return done.result if isinstance(done.result, dict) else {}
+
+
 async def _document_json(feed: JobFeed, job_id: str, record: CallRecord) -> dict[str, Any]:
     pages: list[dict[str, Any]] = []
     async with aclosing(_job_events(feed, job_id, record)) as events:
@@ -233,7 +238,7 @@ async def _document_json(feed: JobFeed, job_id: str, record: CallRecord) -> dict
             if isinstance(event, PageReady):
                 pages.append(event.page)
             elif isinstance(event, Done):
-                return {**(event.result or {}), "pages": pages}
+                return {**_document_of(event), "pages": pages}
     raise ModelNotAvailable("the job ended without its document")
 
 
@@ -250,7 +255,7 @@ async def _document_sse(feed: JobFeed, job_id: str, opened: DocumentOpened, reco
                 if isinstance(event, PageReady):
                     yield sse_data({"object": "document.page", **event.page})
                 elif isinstance(event, Done):
-                    yield sse_data(event.result or {"object": "document"})
+                    yield sse_data(_document_of(event) or {"object": "document"})
         yield DONE
     except HypnosError as error:
         yield sse_error(error, {"object": "error"}, record)

@@ -15,7 +15,7 @@ from inference.client import InferenceClient
 from inference.protocol_media import EmbeddingRequest
 from inference.serving.chat import check_prompt_chars, request_timed_out
 from inference.serving.context import RequestContext, resolve_model, start_call, with_wait_estimate
-from inference.wire import EmbedWork
+from inference.wire import Embedded, EmbedWork
 
 
 async def create_embeddings(client: InferenceClient, body: EmbeddingRequest, ctx: RequestContext) -> HttpResponseBase:
@@ -34,7 +34,8 @@ async def create_embeddings(client: InferenceClient, body: EmbeddingRequest, ctx
         for i, v in enumerate(drained.vectors)
     ]
     done = drained.done
-    tokens = (done.result or {})["prompt_tokens"]
+    assert isinstance(done.result, Embedded)
+    tokens = done.result.prompt_tokens
     return with_wait_estimate(
         JsonResponse(
             {

@@ -16,6 +16,7 @@ from inference.protocol import ChatCompletionRequest, InputAudioPart, TextPart
 from inference.protocol_media import TranscriptionRequest
 from inference.serving.audio import transcribe
 from inference.serving.context import RequestContext
+from inference.transcripts import Transcript
 from inference.wire import Done
 
 
@@ -37,14 +38,15 @@ async def transcribe_audio_parts(
         stage_ctx = RequestContext("req-" + uuid.uuid4().hex, ctx.deadline_ms, next_model=model.id)
         request = TranscriptionRequest(model=model.speech_to_text_model, filename=f"clip.{clip.input_audio.format}")
         _call, done = await transcribe(client, request, audio, stage_ctx, param="messages")
-        result = done.result or {}
-        transcripts[id(clip)] = result["text"]
+        result = done.result
+        assert isinstance(result, Transcript)
+        transcripts[id(clip)] = result.text
         stages.append(
             {
                 "stage": "transcription",
                 "model": model.speech_to_text_model,
-                "text": result["text"],
-                "audio_secs": result["duration_secs"],
+                "text": result.text,
+                "audio_secs": result.duration_secs,
                 **done.telemetry,
             }
         )

@@ -20,7 +20,19 @@ import numpy as np
 
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import Cancelled, DeviceOutOfMemory, InvalidRequest
-from inference.wire import AudioChunk, Done, EmbedWork, SpeechWork, Started, TranscribeWork, VectorChunk
+from inference.transcripts import Transcript
+from inference.wire import (
+    AudioChunk,
+    Done,
+    Embedded,
+    EmbedWork,
+    MediaResult,
+    SpeechMade,
+    SpeechWork,
+    Started,
+    TranscribeWork,
+    VectorChunk,
+)
 
 if TYPE_CHECKING:
     from inference.engines.base import Engine
@@ -71,7 +83,7 @@ def serve_media(
         )
     )
     # The payload's type matches the op (media_work built it from the request).
-    ops: dict[str, Callable[[Engine, Any, threading.Event, Any], tuple[dict, dict]]] = {
+    ops: dict[str, Callable[[Engine, Any, threading.Event, Any], tuple[MediaResult, dict[str, float]]]] = {
         "embed": _embed,
         "transcribe": _transcribe,
         "speech": _speech,
@@ -95,12 +107,12 @@ def serve_media(
     return Done(result=result, telemetry=telemetry)
 
 
-def _embed(engine: Engine, payload: EmbedWork, cancel: threading.Event, sink: Any) -> tuple[dict, dict]:
+def _embed(engine: Engine, payload: EmbedWork, cancel: threading.Event, sink: Any) -> tuple[Embedded, dict[str, float]]:
     vectors, tokens = engine.embed(payload.input, cancel)
     for start in range(0, len(vectors), VECTORS_PER_EVENT):
         batch = vectors[start : start + VECTORS_PER_EVENT]
         sink(VectorChunk(data=[v.astype("<f4").tobytes() for v in batch]))
-    return {"prompt_tokens": tokens}, {}
+    return Embedded(prompt_tokens=tokens), {}
 
 
 def audio_bytes(payload: TranscribeWork) -> bytes:
@@ -114,23 +126,27 @@ def audio_bytes(payload: TranscribeWork) -> bytes:
     return base64.b64decode(payload.audio or "")
 
 
-def _transcribe(engine: Engine, payload: TranscribeWork, cancel: threading.Event, sink: Any) -> tuple[dict, dict]:
-    from inference.engines.audio import TRANSCRIBE_RATE, decode_audio
+def _transcribe(
+    engine: Engine, payload: TranscribeWork, cancel: threading.Event, sink: Any
+) -> tuple[Transcript, dict[str, float]]:
+    from inference.engines.audio import decode_audio
+    from inference.engines.base import TranscribeOptions
 
     # The web process sends its limits.max_audio_secs and the request's field for the audio.
     samples = decode_audio(audio_bytes(payload), max_secs=payload.max_audio_secs, param=payload.audio_param)
-    duration = len(samples) / TRANSCRIBE_RATE
-    options = {
-        "language": payload.language,
-        "prompt": payload.prompt,
-        "temperature": payload.temperature,
-        "word_timestamps": payload.word_timestamps,
-    }
-    result = engine.transcribe(samples, options, cancel)
-    return {**result, "duration_secs": round(duration, 3)}, {"audio_secs": round(duration, 3)}
+    options = TranscribeOptions(
+        language=payload.language,
+        prompt=payload.prompt,
+        temperature=payload.temperature or 0.0,
+        word_timestamps=payload.word_timestamps,
+    )
+    transcript = engine.transcribe(samples, options, cancel)
+    return transcript, {"audio_secs": transcript.duration_secs}
 
 
-def _speech(engine: Engine, payload: SpeechWork, cancel: threading.Event, sink: Any) -> tuple[dict, dict]:
+def _speech(
+    engine: Engine, payload: SpeechWork, cancel: threading.Event, sink: Any
+) -> tuple[SpeechMade, dict[str, float]]:
     """Phrase by phrase, 180 ms of silence between phrases, at 24 kHz. wav and pcm streams send
     each phrase as it is ready (wav behind an open-ended header); anything else is encoded once
     the whole answer exists, then sent."""
@@ -171,4 +187,4 @@ def _speech(engine: Engine, payload: SpeechWork, cancel: threading.Event, sink: 
         send(audio.encode(whole, fmt))
     audio_secs = round(total / audio.OUTPUT_RATE, 3)
     timings = {"audio_secs": audio_secs, "ttfa_ms": round(first_audio_ms or 0.0, 1)}
-    return {"audio_secs": audio_secs, "samples": total, "sample_rate": audio.OUTPUT_RATE}, timings
+    return SpeechMade(audio_secs=audio_secs, samples=total, sample_rate=audio.OUTPUT_RATE), timings

@@ -12,6 +12,7 @@ import pytest
 from hypnos_site.errors import InvalidRequest
 from inference.engines import audio
 from inference.serving.audio import srt, vtt
+from inference.transcripts import Segment
 
 TONE = (np.sin(np.arange(12_345) * 2 * np.pi * 440 / audio.OUTPUT_RATE) * 8000).astype(np.int16)
 
@@ -100,6 +101,10 @@ def test_bytes_that_are_not_audio_are_a_400():
 
 
 def test_srt_and_vtt_from_segments():
-    segments = [{"start": 0.0, "end": 1.5, "text": " Hello."}, {"start": 61.25, "end": 3725.004, "text": " Bye."}]
+    timed = {"seek": 0, "tokens": [], "temperature": 0.0, "avg_logprob": 0.0, "compression_ratio": 1.0}
+    segments = [
+        Segment(id=0, start=0.0, end=1.5, text=" Hello.", no_speech_prob=0.0, **timed),
+        Segment(id=1, start=61.25, end=3725.004, text=" Bye.", no_speech_prob=0.0, **timed),
+    ]
     assert srt(segments) == "1\n00:00:00,000 --> 00:00:01,500\nHello.\n\n2\n00:01:01,250 --> 01:02:05,004\nBye.\n\n"
     assert vtt(segments) == "WEBVTT\n\n00:00:00.000 --> 00:00:01.500\nHello.\n\n00:01:01.250 --> 01:02:05.004\nBye.\n\n"

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from hypnos_site.errors import ContextLengthExceeded, DeadlineUnmeetable, ServerError
 from inference import wire
 from inference.entities import Span
+from inference.transcripts import Segment, Transcript, Word
 from inference.worker.core import CONTROL_OPS
 from inference.worker.pool import POOL_OPS
 
@@ -29,6 +30,32 @@ EVENTS = [
         telemetry={"engine": {"ttft_ms": 3.0}},
         tool_calls=[{"id": "call_1"}],
     ),
+    wire.Done(
+        result=Transcript(
+            text="Hello world.",
+            language="en",
+            duration_secs=1.5,
+            segments=[
+                Segment(
+                    id=0,
+                    seek=0,
+                    start=0.0,
+                    end=1.5,
+                    text=" Hello world.",
+                    tokens=[50364, 2425],
+                    temperature=0.0,
+                    avg_logprob=-0.2,
+                    compression_ratio=0.8,
+                    no_speech_prob=0.01,
+                    words=[Word(word=" Hello", start=0.0, end=0.6)],
+                )
+            ],
+        ),
+        telemetry={"audio_secs": 1.5},
+    ),
+    wire.Done(result=wire.SpeechMade(audio_secs=0.5, samples=12000, sample_rate=24000)),
+    wire.Done(result=wire.Embedded(prompt_tokens=7)),
+    wire.Done(result={"object": "document", "page_count": 2}),
     wire.DocumentOpened(page_count=3, pages=[2, 3], format="pdf", pipeline="native_pdf", document_id="doc-1"),
     wire.DocumentPage(
         page=2,
@@ -50,7 +77,9 @@ EVENTS = [
 ]
 
 
-@pytest.mark.parametrize("event", EVENTS, ids=lambda e: e.kind)
+@pytest.mark.parametrize(
+    "event", EVENTS, ids=lambda e: e.kind + ("-" + type(e.result).__name__ if isinstance(e, wire.Done) else "")
+)
 def test_it_carries_every_event_through_msgpack_unchanged(event):
     # channels-redis packs messages with msgpack: what the serialiser writes must survive it.
     packed = msgpack.unpackb(msgpack.packb(wire.encode_event(event), use_bin_type=True), raw=False)

@@ -16,9 +16,39 @@ from inference.serving.pool import pool
 from models_registry.catalog import catalog_path, describe, disk_size, load_catalog
 
 CREATED = 1_767_225_600  # 2026-01-01, a fixed `created` for configured models
+# What each modality gives a model picker to read (`capabilities`).
+MODALITY_CAPABILITIES = {
+    "text_generation": ("chat", "completion"),
+    "vision": ("chat", "completion", "vision"),
+    "speech_to_text": ("audio_in", "transcription"),
+    "text_to_speech": ("audio_out", "speech"),
+    "embeddings": ("embeddings",),
+    "image_generation": ("images",),
+    "document_conversion": ("documents",),
+    "entity_extraction": ("entities",),
+}
+# Lemonade's recipe names, where one of its recipes runs the same engine.
+RECIPES = {"ggml_llama": "llamacpp", "ggml_diffusion": "sd-cpp"}
+
+
+def capabilities(model: ModelConfig, state: dict[str, Any]) -> list[str]:
+    """What the model serves, for pickers: its modalities' capabilities (a chat model with a
+    speech_to_text_model hears, `audio_in`, and does not transcribe); what its engine found in the
+    weights once it exists (`tools`, `thinking`, `vision`); the image model's own (`edit`,
+    `upscale`, `ignores_prompt`)."""
+    found: list[str] = []
+    for modality in model.modalities:
+        if modality == "speech_to_text" and model.modality != "speech_to_text":
+            found.append("audio_in")
+        else:
+            found += MODALITY_CAPABILITIES.get(modality, ())
+    found += state.get("capabilities", [])
+    found += model.image_capabilities
+    return list(dict.fromkeys(found))
 
 
 def _model_object(model: ModelConfig, state: dict[str, Any]) -> dict[str, Any]:
+    weights = settings.HYPNOS.weights_file(model)
     found = {
         "id": model.id,
         "object": "model",
@@ -26,13 +56,18 @@ def _model_object(model: ModelConfig, state: dict[str, Any]) -> dict[str, Any]:
         "owned_by": "hypnos",
         "modality": model.modality,
         "aliases": model.aliases,
+        "capabilities": capabilities(model, state),
+        "context_length": model.context_len,
+        "max_context_window": max(state.get("trained_context_len") or 0, model.context_len),
+        "engine": model.engine,
+        "checkpoint": model.weights_path,
+        "downloaded": weights.exists(),
         "current_tier": state.get("current_tier"),
         "placement": state.get("placement"),
         "active_leases": state.get("active_leases", 0),
     }
-    if model.image_capabilities:
-        # An image model says what it can do: `ignores_prompt` for an unconditional generator.
-        found["capabilities"] = model.image_capabilities
+    if model.engine in RECIPES:
+        found["recipe"] = RECIPES[model.engine]
     return found
 
 

@@ -54,6 +54,9 @@ class StatusReports:
                 # What the engine serves beyond its modality (tools, thinking, vision...), once
                 # it exists: the Ollama API's `capabilities` (issue 17).
                 "capabilities": sorted(runtime.engine.capabilities()) if runtime.engine is not None else [],
+                # The context the weights were trained for (0 where the engine has none or
+                # does not exist yet): /v1/models' max_context_window.
+                "trained_context_len": runtime.engine.trained_context_len if runtime.engine is not None else 0,
             }
         return {"ready": self.ready(), "simulated": self.device.simulated, "models": models}
 

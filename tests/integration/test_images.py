@@ -97,7 +97,7 @@ async def test_the_same_seed_gives_the_same_png_bytes_and_another_seed_another_i
 async def test_the_model_list_says_the_generator_ignores_the_prompt(api):
     listed = {m["id"]: m for m in (await api.get("/v1/models")).json()["data"]}
     assert listed[GAN]["modality"] == "image_generation"
-    assert listed[GAN]["capabilities"] == ["ignores_prompt"]
+    assert listed[GAN]["capabilities"] == ["images", "ignores_prompt"]
     assert "capabilities" not in listed[CHAT]
 
 

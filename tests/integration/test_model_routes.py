@@ -54,3 +54,20 @@ async def test_disable_is_refused_while_the_model_serves(api, pool):
         assert busy.status_code == 429 and busy.json()["error"]["type"] == "model_busy"
     finally:
         pool.tiers.release(SMOL, served=False)
+
+
+async def test_the_list_says_what_pickers_read(api, pool, settings):
+    """capabilities, context_length, max_context_window (the GGUF's trained context),
+    downloaded, checkpoint, engine and Lemonade's recipe: a picker offers the right models."""
+    listed = {m["id"]: m for m in (await api.get("/v1/models")).json()["data"]}
+    smol, qwen = listed[SMOL], listed[QWEN]
+    # SmolLM2 hears through its speech_to_text_model (a voice turn); Qwen's template has tools.
+    assert smol["capabilities"][:2] == ["chat", "completion"] and "audio_in" in smol["capabilities"]
+    assert "transcription" not in smol["capabilities"] and "tools" not in smol["capabilities"]
+    assert "tools" in qwen["capabilities"] and "entities" in qwen["capabilities"]
+    assert smol["context_length"] == settings.HYPNOS.models[0].context_len == 2048
+    assert smol["max_context_window"] == 8192  # SmolLM2-135M-Instruct's n_ctx_train
+    assert qwen["max_context_window"] == 32768
+    assert smol["downloaded"] is True and smol["checkpoint"] == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert smol["engine"] == "ggml_llama" and smol["recipe"] == "llamacpp"
+    assert (await api.get(f"/v1/models/{SMOL}")).json()["capabilities"] == smol["capabilities"]

@@ -98,7 +98,7 @@ async def test_the_model_list_says_the_generator_ignores_the_prompt(api):
     listed = {m["id"]: m for m in (await api.get("/v1/models")).json()["data"]}
     assert listed[GAN]["modality"] == "image_generation"
     assert listed[GAN]["capabilities"] == ["images", "ignores_prompt"]
-    assert "capabilities" not in listed[CHAT]
+    assert "ignores_prompt" not in listed[CHAT]["capabilities"] and "images" not in listed[CHAT]["capabilities"]
 
 
 async def test_a_random_seed_is_reported(api):

@@ -335,6 +335,8 @@ DEFAULT_MODELS = [
         engine="ggml_llama",
         weights_path="SmolLM2-135M-Instruct.Q4_1.gguf",
         context_len=4096,
+        # Concurrent clients share decode steps out of the box, as llama-server's 4 slots do.
+        slots=4,
         initial_tier="tier1_gpu_vram",
         priority="normal",
         aliases=["gpt-4o-mini"],

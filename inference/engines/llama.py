@@ -42,6 +42,11 @@ class _TimedContext(internals.LlamaContext):
 
     def __init__(self, *args: Any, **kwargs: Any):
         started = time.perf_counter()
+        if "params" in kwargs:
+            # llama-cpp-python turns flash attention off unless asked; llama.cpp's own default
+            # (llama-server's too) is auto: on wherever the device runs it. On this CPU it
+            # decodes SmolLM2 ~5% faster (154 vs 147 tok/s, interleaved runs, 2 threads).
+            kwargs["params"].flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
         sequences = getattr(_TimedContext.timing, "sequences", 1)
         if sequences > 1 and "params" in kwargs:
             # llama-cpp-python exposes no n_seq_max: slots need one KV sequence each.

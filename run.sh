@@ -16,6 +16,8 @@
 #   ./run.sh advise --needs chat,voice [--vram 24G --ram 64G | --unified --ram 32G] [--json | --config]
 #                       recommend a lineup from the catalog and write its config (venv step only)
 #   ./run.sh --catalog-block <id>[:<quant>]  print a catalog variant's [[models]] block
+#   ./run.sh list|ps|pull|load|unload|run|keys|logs|status [..]  the `hypnos` CLI against a
+#                       running server (venv step only; `./run.sh ps --help`, README "The `hypnos` CLI")
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -50,6 +52,19 @@ setup_venv() {
     step "installing the pinned requirements (requirements/dev.txt)"
     pip_ install --progress-bar on -r requirements/dev.txt
     stamp_set requirements "$want"
+  fi
+  setup_cli
+}
+
+# The `hypnos` command (hypnos_cli, the operator's CLI): the checkout installed editable, so the
+# command runs the checkout's code; pyproject.toml packages hypnos_cli alone.
+setup_cli() {
+  local want
+  want=$(sha256sum pyproject.toml | cut -c1-16)
+  if [ ! -x "$VENV/bin/hypnos" ] || ! stamp_ok cli "$want"; then
+    step "installing the hypnos command into $VENV/bin (pip install --no-deps -e .)"
+    pip_ install --quiet --no-deps -e .
+    stamp_set cli "$want"
   fi
 }
 
@@ -163,8 +178,14 @@ print(f"{s.channel_prefix}.jobs", s.job_concurrency)')
     setup_venv
     exec "$VENV/bin/python" manage.py catalogblock "$@"
     ;;
+  list|ps|pull|load|unload|run|keys|logs|status)
+    # The operator's CLI talks to a running server over HTTP: the venv is enough.
+    setup_venv
+    exec "$VENV/bin/hypnos" "$cmd" "$@"
+    ;;
   *)
     echo "usage: ./run.sh [serve|test|lint|worker|jobs|setup|models|advise|--catalog-block] [args...]" >&2
+    echo "       ./run.sh [list|ps|pull|load|unload|run|keys|logs|status] [args...]  (the hypnos CLI)" >&2
     exit 2
     ;;
 esac

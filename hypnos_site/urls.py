@@ -14,6 +14,8 @@ urlpatterns = [
     path("metrics", metrics_view),
     # Before inference.urls, whose last pattern answers every other /v1 path with a 404.
     path("v1/", include("logs.urls")),
+    # The API keys (`hypnos keys`).
+    path("v1/", include("models_registry.urls")),
     path("api/v1/", include("logs.urls")),
     path("v1/", include("inference.anthropic_urls")),
     path("v1/", include("inference.urls")),

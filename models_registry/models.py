@@ -62,6 +62,22 @@ class ApiKey(models.Model):
         record.save()
         return record, key
 
+    def as_record(self) -> dict[str, object]:
+        """GET /v1/keys's view of the key: never the key, only its first characters."""
+        return {
+            "id": self.pk,
+            "label": self.label,
+            "key_prefix": self.key_prefix,
+            "admin": self.admin,
+            "active": self.active,
+            "requests_per_minute": self.requests_per_minute,
+            "max_concurrent": self.max_concurrent,
+            "tokens_per_day": self.tokens_per_day,
+            "models": list(split_models(self.allowed_models)),
+            "created": self.created.isoformat().replace("+00:00", "Z"),
+            "source": "database",
+        }
+
 
 class ModelOverlay(models.Model):
     """A change to the model pool made while the server ran (POST/PUT/DELETE /v1/models). The

@@ -253,6 +253,10 @@ ROUTES = [
     Route("api/v1/stats", ("GET",)),
     *[Route("v1/" + r.pattern, r.methods, r.body, r.path, r.weight) for r in V1_ROUTES],
     *[Route("api/v1/" + r.pattern, r.methods, r.body, r.path, max(r.weight // 3, 1)) for r in V1_ROUTES],
+    # The key routes (`hypnos keys`) on /v1 only. No POST: a key it made would close the API to
+    # every route fuzzed after it (tests/integration/test_key_routes.py covers creation).
+    Route("v1/keys", ("GET",)),
+    Route("v1/keys/<str:key>", ("DELETE",), path=fz.path_ids.map(lambda k: f"keys/{k}")),
 ]
 UNKNOWN_TOP_LEVEL = Route(
     "<top-level 404>", ("GET", "POST"), path=st.sampled_from(["", "nope", "v2/models", "v1", "static/x", "%ff"])

@@ -58,7 +58,13 @@ OPEN_TO_EVERY_KEY = {
     anthropic_views.CountTokensView,
 }
 # What a route's URL parameters are filled with when it is called.
-SAMPLE_ARGUMENTS = {"model_id": SMOL, "request_id": "req-" + "0" * 32, "document_id": "doc-" + "0" * 32, "index": "1"}
+SAMPLE_ARGUMENTS = {
+    "model_id": SMOL,
+    "request_id": "req-" + "0" * 32,
+    "document_id": "doc-" + "0" * 32,
+    "index": "1",
+    "key": "no-such-key",
+}
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,5 @@
+import sys
+
+from hypnos_cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,61 @@
+"""The `hypnos` CLI's own logic (issue 17): it imports nothing of the server, reads its options
+on either side of the verb, and prints the server's error messages and byte counts as a person
+reads them. tests/e2e/test_cli_e2e.py runs the command against a live server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+
+from hypnos_cli.client import error_message
+from hypnos_cli.main import build_parser
+from hypnos_cli.output import duration, size, table
+from tests.unit.test_dependencies import APPS, DJANGO
+
+
+def test_it_imports_no_app_of_the_server_and_no_django():
+    probe = "import sys, hypnos_cli.main; print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))"
+    loaded = set(
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    )
+    assert "httpx" in loaded and loaded.isdisjoint({*APPS, *DJANGO})
+
+
+def test_it_reads_the_global_options_before_and_after_the_verb():
+    before = build_parser().parse_args(["--url", "http://h:1", "--json", "ps"])
+    after = build_parser().parse_args(["ps", "--url", "http://h:1", "--json", "--all"])
+    assert (before.url, before.json, after.url, after.json, after.all) == ("http://h:1", True, "http://h:1", True, True)
+    plain = build_parser().parse_args(["keys", "revoke", "ci-bot"])
+    assert (plain.url, plain.key, plain.json, plain.key_verb) == (None, None, False, "revoke")
+
+
+def test_it_prints_the_servers_message_in_either_error_shape():
+    request = httpx.Request("GET", "http://h:1/v1/x")
+    v1 = httpx.Response(404, json={"error": {"message": "no such model", "type": "model_not_found"}}, request=request)
+    ollama = httpx.Response(404, json={"error": "model 'x' not found"}, request=request)
+    refused = httpx.Response(401, json={"error": {"message": "Missing API key."}}, request=request)
+    html = httpx.Response(502, text="<html>bad gateway</html>", request=request)
+    assert [error_message(r) for r in (v1, ollama, refused, html)] == [
+        "no such model",
+        "model 'x' not found",
+        "Missing API key. (pass --key or set HYPNOS_API_KEY)",
+        "HTTP 502 from http://h:1/v1/x: <html>bad gateway</html>",
+    ]
+
+
+def test_it_writes_sizes_durations_and_aligned_tables():
+    assert [size(n) for n in (0, 812 * 1024, 106_250_000, 8 << 30, None)] == [
+        "0 B",
+        "812 KiB",
+        "101.3 MiB",
+        "8.0 GiB",
+        "-",
+    ]
+    assert [duration(s) for s in (4.7, 133, 3 * 3600 + 300, 2 * 86400 + 4 * 3600)] == ["4s", "2m13s", "3h05m", "2d4h"]
+    assert table(["ID", "TIER"], [["smollm2-135m", "1 vram"], ["x", "3 disk"]]).splitlines() == [
+        "ID            TIER",
+        "smollm2-135m  1 vram",
+        "x             3 disk",
+    ]

@@ -111,6 +111,12 @@ class ServerConfig(_Strict):
     # emptied (its next turn prefills from the start) and is never parked (spec §14); unset
     # keeps a conversation's KV until its slot is reused.
     kv_idle_timeout_secs: float | None = Field(default=None, gt=0)
+    # Idle unload, as Ollama's keep_alive: how long a model left idle in tier 1 stays there
+    # before the worker demotes it (to tier 2 while the warm budget holds it, else to disk).
+    # Seconds; negative: never. "auto" is 300 s on a GPU and never without one (there tier 1 is
+    # host memory too, so unloading frees nothing another tier would not hold). A model block's
+    # keep_alive_secs overrides it; an Ollama request's keep_alive sets it for its model.
+    keep_alive_secs: float | Literal["auto"] = "auto"
     # The picture store of document conversions with return_pictures (spec §12): how long a
     # document's pictures are kept, and the most bytes all documents' pictures may take on disk
     # (under data_dir/pictures) before the oldest documents are deleted to make room.
@@ -252,6 +258,8 @@ class ModelConfig(_Strict):
     weights_path: str
     context_len: int = Field(default=4096, ge=256)
     slots: int = Field(default=1, ge=1)
+    # server.keep_alive_secs for this model (None: the server's).
+    keep_alive_secs: float | None = None
     initial_tier: MemoryTierName = "tier3_nvme_ssd"
     priority: Priority = "normal"
     aliases: list[str] = []

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from adrf.views import APIView
 from django.http import JsonResponse
 from rest_framework.request import Request
 
@@ -17,6 +16,7 @@ from inference.runtime import get_client
 from inference.serving import anthropic
 from inference.serving.context import RequestContext
 from inference.serving.render import anthropic_error
+from models_registry.api_view import APIView
 
 
 def anthropic_exception_handler(exc: Exception, context: dict[str, Any]) -> JsonResponse:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from adrf.views import APIView
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework.request import Request
@@ -27,6 +26,7 @@ from inference.runtime import get_client
 from inference.serving import ollama, ollama_models, ollama_pull
 from inference.serving.context import RequestContext
 from inference.serving.render import ollama_error
+from models_registry.api_view import APIView
 from models_registry.authentication import IsAdminKey, is_admin
 
 # The Ollama release whose API these routes follow; clients gate features on it (structured

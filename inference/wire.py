@@ -183,6 +183,7 @@ ControlOp = Literal[
     "enable",
     "disable",
     "moe_offload",
+    "keep_alive",
     "fault",
     "add_model",
     "replace_model",
@@ -209,6 +210,12 @@ class MoveArgs(ModelArgs):
 class MoeOffloadArgs(ModelArgs):
     # Checked by the worker: an unknown mode is 422 (spec §6).
     mode: str
+
+
+class KeepAliveArgs(ModelArgs):
+    """An Ollama request's keep_alive for its model: seconds from now, negative for forever."""
+
+    secs: float
 
 
 class KvParkArgs(_Work):
@@ -247,6 +254,7 @@ CONTROL_ARGS: dict[str, type[_Work]] = {
     "enable": ModelArgs,
     "disable": ModelArgs,
     "moe_offload": MoeOffloadArgs,
+    "keep_alive": KeepAliveArgs,
     "fault": FaultArgs,
     "add_model": AddModelArgs,
     "replace_model": ChangeModelArgs,

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from memory.device import Device, HardwareLimits, process_memory_bytes
@@ -86,6 +87,16 @@ class ModelEntry:
     rate: DecayingRate = field(default_factory=DecayingRate)
     # MoE offload (spec §6): "off", "auto" or "on"; the planner ignores it for dense models.
     moe_offload: str = "off"
+    # Idle unload (server.keep_alive_secs): seconds idle in tier 1 before the worker demotes
+    # the model; None: never.
+    keep_alive_secs: float | None = None
+
+    def expires_in(self, now: float) -> float | None:
+        """Seconds until idle unload demotes the model (0 when due); None when it will not:
+        not in tier 1, leased, or kept forever."""
+        if self.tier != MemoryTier.TIER1 or self.leases or self.keep_alive_secs is None:
+            return None
+        return max(self.last_used + self.keep_alive_secs - now, 0.0)
 
     @property
     def rank(self) -> int:
@@ -134,6 +145,32 @@ class TierManager:
             )
             self.entries[model_id] = entry
             return entry
+
+    def set_keep_alive(self, model_id: str, secs: float | None) -> None:
+        """How long the model may sit idle in tier 1 (None or negative: forever); counted from
+        its last use."""
+        with self.lock:
+            if model_id in self.entries:
+                self.entries[model_id].keep_alive_secs = None if secs is None or secs < 0 else secs
+
+    def expired(self) -> list[str]:
+        """The idle tier-1 models whose keep-alive has run out, the longest idle first."""
+        with self.lock:
+            now = self.clock()
+            due = [e for e in self.entries.values() if e.expires_in(now) == 0.0]
+            return [e.model_id for e in sorted(due, key=lambda e: e.last_used)]
+
+    def expires_at(self, model_id: str) -> str | None:
+        """When idle unload will demote the model (ISO 8601 UTC); None when it will not."""
+        with self.lock:
+            entry = self.entries.get(model_id)
+            return _expiry_iso(entry.expires_in(self.clock())) if entry is not None else None
+
+    def warm_room_for(self, model_id: str) -> bool:
+        """Whether the model's weights fit the warm budget (tier 2) if it left tier 1 now."""
+        with self.lock:
+            e = self.entries[model_id]
+            return e.footprint.weights_bytes <= self.tier2_budget - self.tier2_used() + e.tier2_bytes()
 
     def set_priority(self, model_id: str, priority: str) -> None:
         with self.lock:
@@ -509,4 +546,13 @@ class TierManager:
                 "reload_estimate_ms": round(e.reload_estimate_ms(lands), 1),
                 "moe_offload": e.moe_offload,
                 "expert_bytes": e.footprint.expert_bytes,
+                "keep_alive_secs": e.keep_alive_secs if e.keep_alive_secs is not None else -1,
+                "expires_at": _expiry_iso(e.expires_in(self.clock())),
             }
+
+
+def _expiry_iso(expires_in: float | None) -> str | None:
+    """When idle unload is due, as an ISO 8601 UTC time; None when it is not coming."""
+    if expires_in is None:
+        return None
+    return datetime.fromtimestamp(time.time() + expires_in, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")

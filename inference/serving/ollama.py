@@ -44,7 +44,7 @@ from inference.serving.chat import capped_max_tokens, check_grammars, model_defa
 from inference.serving.context import RequestContext, check_prompt_chars, start_call, with_wait_estimate
 from inference.serving.ollama_models import TIER1, find_model, timestamp
 from inference.serving.render import ollama_ndjson_error
-from inference.wire import Delta, Done, EmbedWork, GenerateWork, Reasoning, Usage
+from inference.wire import Delta, Done, Embedded, EmbedWork, GenerateWork, Reasoning, Usage
 from logs.record import CallRecord
 from models_registry.authentication import ADMIN_ONLY
 
@@ -79,13 +79,31 @@ async def resolve(
     return model
 
 
-def unload_requested(keep_alive_secs: float | None, admin: bool) -> bool:
-    """keep_alive 0: demote the model once it has answered; a tier move, so admin keys only."""
-    if keep_alive_secs != 0:
-        return False
+def keep_alive_of(keep_alive_secs: float | None, admin: bool) -> float | None:
+    """The request's keep_alive in seconds (0: demote the model once it has answered; negative:
+    keep it forever), or None when it sets none. It changes how long the model stays loaded for
+    every client, so admin keys only."""
+    if keep_alive_secs is None:
+        return None
     if not admin:
-        raise PermissionDenied(f"{ADMIN_ONLY} keep_alive 0 unloads the model.")
-    return True
+        raise PermissionDenied(f"{ADMIN_ONLY} keep_alive sets how long the model stays loaded.")
+    return keep_alive_secs
+
+
+def keep_alive_after(
+    client: InferenceClient, model: ModelConfig, secs: float | None
+) -> Callable[[], Awaitable[None]] | None:
+    """What runs once the answer is complete: keep_alive 0 unloads; any other value becomes the
+    model's idle unload time from now (the worker's `keep_alive`)."""
+    if secs is None:
+        return None
+    if secs == 0:
+        return lambda: unload(client, model)
+
+    async def keep() -> None:
+        await client.control("keep_alive", {"model": model.id, "secs": secs})
+
+    return keep
 
 
 def sampling(options: Options, model: ModelConfig) -> dict[str, Any]:
@@ -270,9 +288,17 @@ async def unload(client: InferenceClient, model: ModelConfig) -> None:
             await asyncio.sleep(0.05)
 
 
-async def load_only(client: InferenceClient, model: ModelConfig, shape: Shape, unloading: bool) -> JsonResponse:
-    """An empty chat or prompt: load the model, or with keep_alive 0 unload it."""
-    await (unload(client, model) if unloading else load(client, model))
+async def load_only(
+    client: InferenceClient, model: ModelConfig, shape: Shape, keep_alive: float | None
+) -> JsonResponse:
+    """An empty chat or prompt: load the model (for keep_alive seconds when given), or with
+    keep_alive 0 unload it."""
+    unloading = keep_alive == 0
+    if not unloading:
+        await load(client, model)
+    after = keep_alive_after(client, model, keep_alive)
+    if after is not None:
+        await after()
     piece = shape.piece()
     return JsonResponse({**piece, "done": True, "done_reason": "unload" if unloading else "load"})
 
@@ -286,10 +312,10 @@ async def create_chat(
     """POST /api/chat."""
     started = time.perf_counter()
     model = await resolve(client, body.model, ctx, CHAT_MODALITIES, "chat")
-    unloading = unload_requested(body.keep_alive_secs(), admin)
+    keep_alive = keep_alive_of(body.keep_alive_secs(), admin)
     shape = Shape(body.model, chat=True)
     if not body.messages:
-        return await load_only(client, model, shape, unloading)
+        return await load_only(client, model, shape, keep_alive)
     messages, images = worker_messages(body.messages, model)
     check_prompt_chars(sum(len(m.content or "") for m in body.messages), "messages")
     tools = [t.model_dump() for t in body.tools] if body.tools else None
@@ -306,7 +332,7 @@ async def create_chat(
         think=think,
         thinking_budget=budget,
     )
-    after = (lambda: unload(client, model)) if unloading else None
+    after = keep_alive_after(client, model, keep_alive)
     return await run(client, model, work, ctx, shape, body.stream, started, after)
 
 
@@ -354,12 +380,12 @@ async def create_generate(
     """POST /api/generate."""
     started = time.perf_counter()
     model = await resolve(client, body.model, ctx, CHAT_MODALITIES, "generate")
-    unloading = unload_requested(body.keep_alive_secs(), admin)
+    keep_alive = keep_alive_of(body.keep_alive_secs(), admin)
     shape = Shape(body.model, chat=False)
     if not body.prompt and not body.images:
-        return await load_only(client, model, shape, unloading)
+        return await load_only(client, model, shape, keep_alive)
     work = generate_work(body, model)
-    after = (lambda: unload(client, model)) if unloading else None
+    after = keep_alive_after(client, model, keep_alive)
     return await run(client, model, work, ctx, shape, body.stream, started, after)
 
 
@@ -448,10 +474,8 @@ def floats(raw: bytes, dimensions: int | None = None) -> list[float]:
 
 
 def embedded_tokens(done: Done) -> int:
-    """The prompt tokens an embed op reports in its result (a dict or a typed result)."""
-    result = done.result
-    tokens = result.get("prompt_tokens") if isinstance(result, dict) else getattr(result, "prompt_tokens", None)
-    return tokens if isinstance(tokens, int) else 0
+    """The prompt tokens an embed op reports in its result."""
+    return done.result.prompt_tokens if isinstance(done.result, Embedded) else 0
 
 
 async def create_embed(client: InferenceClient, body: EmbedRequest, ctx: RequestContext) -> JsonResponse:

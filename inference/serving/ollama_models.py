@@ -203,8 +203,9 @@ async def list_tags(client: InferenceClient) -> dict[str, Any]:
 async def list_running(client: InferenceClient) -> dict[str, Any]:
     """GET /api/ps: the models in tier 1. `size` is every byte the placement holds (tier 1 and
     the layers or KV it keeps in tier 2), `size_vram` its tier-1 bytes on a GPU (0 on a machine
-    without one, where tier 1 is a budget in RAM, as Ollama reports a CPU model). Nothing
-    unloads an idle model yet, so `expires_at` is Ollama's "forever"."""
+    without one, where tier 1 is a budget in RAM, as Ollama reports a CPU model). `expires_at`
+    is when idle unload (keep_alive) will demote it, Ollama's "forever" when it will not (a
+    model kept forever, or one serving now)."""
     status = await _status(client)
     simulated = bool(status.get("simulated", True))
     running = []
@@ -220,7 +221,7 @@ async def list_running(client: InferenceClient) -> dict[str, Any]:
                 **_listing(model, facts),
                 "size": vram + placement["pinned_ram_bytes"],
                 "size_vram": 0 if simulated else vram,
-                "expires_at": timestamp(datetime.now(UTC) + FOREVER),
+                "expires_at": state.get("expires_at") or timestamp(datetime.now(UTC) + FOREVER),
                 "context_length": placement["allocated_context_len"],
                 "hypnos_placement": placement,
             }

@@ -62,7 +62,18 @@ log = logging.getLogger(__name__)
 
 # How often a request waiting for a slot looks at its cancel flag.
 SLOT_POLL_SECS = 0.05
-CONTROL_OPS = ("status", "memory_status", "move", "set_limits", "kv_park", "enable", "disable", "moe_offload", "fault")
+CONTROL_OPS = (
+    "status",
+    "memory_status",
+    "move",
+    "set_limits",
+    "kv_park",
+    "enable",
+    "disable",
+    "moe_offload",
+    "keep_alive",
+    "fault",
+)
 # `fault` (a real native crash in a running request's thread, for the supervisor's tests)
 # exists only when the worker runs with this set to 1.
 FAULT_INJECTION_ENV = "HYPNOS_FAULT_INJECTION"
@@ -147,6 +158,7 @@ class Worker:
     def start(self) -> None:
         """Stage the startup models in the background; the caller's port can open meanwhile."""
         threading.Thread(target=self._stage, name="hypnos-staging", daemon=True).start()
+        threading.Thread(target=self.moves.unload_idle, name="hypnos-idle-unload", daemon=True).start()
         if self.config.server.kv_idle_timeout_secs is not None:
             threading.Thread(
                 target=self.moves.empty_idle_slots,
@@ -310,6 +322,9 @@ class Worker:
                 result = {"model": runtime.config.id, "enabled": runtime.enabled, "placement": placement.as_dict()}
             elif op == "moe_offload":
                 result = self.set_moe_offload(payload["model"], payload["mode"])
+            elif op == "keep_alive":
+                secs = self.moves.set_keep_alive(payload["model"], payload["secs"])
+                result = {"model": self.resolve(payload["model"]).config.id, "keep_alive_secs": secs}
             elif op == "kv_park":
                 self.kv_parking.configure(payload.get("enabled"), payload.get("max_bytes"))
                 result = self.kv_parking.status()

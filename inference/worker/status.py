@@ -57,6 +57,8 @@ class StatusReports:
                 # The context the weights were trained for (0 where the engine has none or
                 # does not exist yet): /v1/models' max_context_window.
                 "trained_context_len": runtime.engine.trained_context_len if runtime.engine is not None else 0,
+                # Idle unload (server.keep_alive_secs): when it demotes the model, if it will.
+                "expires_at": self.tiers.expires_at(model_id),
             }
         return {"ready": self.ready(), "simulated": self.device.simulated, "models": models}
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hypnos_site.config import HypnosConfig, LimitsConfig
+from hypnos_site.config import HypnosConfig, LimitsConfig, ModelConfig
 from hypnos_site.errors import (
     InsufficientMemory,
     ModelBusy,
@@ -29,6 +29,9 @@ from memory.tiers import MemoryTier, Placement
 
 log = logging.getLogger(__name__)
 MIN_CONTEXT = 2048
+# server.keep_alive_secs = "auto" on a GPU (Ollama's default), and how often idle unload looks.
+AUTO_KEEP_ALIVE_SECS = 300.0
+IDLE_CHECK_SECS = 1.0
 # The context estimate's budget for one image (spec §7.1).
 IMAGE_CONTEXT_TOKENS = 576
 NO_ROOM_ERRORS = {"insufficient_vram_or_ram": InsufficientMemory, "process_memory_cap": ProcessMemoryCap}
@@ -119,8 +122,47 @@ class TierMoves:
             **({"aux": aux} if aux is not None else {}),
         )
         self.tiers.register(runtime.config.id, runtime.config.priority, engine.footprint(), runtime.config.moe_offload)
+        self.tiers.set_keep_alive(runtime.config.id, self.keep_alive_secs(runtime.config))
         runtime.engine = engine
         return engine
+
+    def keep_alive_secs(self, model: ModelConfig) -> float | None:
+        """The model's idle unload time: its block's, else server.keep_alive_secs ("auto": 300 s
+        on a GPU, never on a simulated device); None: never."""
+        secs = model.keep_alive_secs if model.keep_alive_secs is not None else self.config.server.keep_alive_secs
+        if secs == "auto":
+            return None if self.tiers.device.simulated else AUTO_KEEP_ALIVE_SECS
+        return None if secs < 0 else float(secs)
+
+    def set_keep_alive(self, name: str, secs: float) -> float | None:
+        """An Ollama request's keep_alive (seconds, negative: forever) for its model, from now."""
+        runtime = self.table.resolve(name)
+        self.engine(runtime)
+        self.tiers.set_keep_alive(runtime.config.id, secs)
+        return None if secs < 0 else secs
+
+    def unload_idle(self) -> None:
+        """Idle unload: every second, demote the tier-1 models idle past their keep-alive, to
+        tier 2 while the warm budget holds them, else to disk (recent_evictions: reason "idle")."""
+        while not self._stopping.wait(IDLE_CHECK_SECS):
+            for model_id in self.tiers.expired():
+                runtime = self.table.models.get(model_id)
+                if runtime is None or runtime.engine is None:
+                    continue
+                with runtime.load_lock, self.placement_lock:
+                    # Leased for the move, so that no request starts on it meanwhile; a request
+                    # that came since makes it busy (or no longer expired): left as it is.
+                    if model_id not in self.tiers.expired() or not self.tiers.lease_if_idle(model_id):
+                        continue
+                    try:
+                        runtime.wait_engine_idle()
+                        to_tier = MemoryTier.TIER2 if self.tiers.warm_room_for(model_id) else MemoryTier.TIER3
+                        self.demote(model_id, runtime.engine, to_tier)
+                        self.tiers.record_eviction(Eviction(model_id, to_tier, "idle"), None)
+                        self.evictions_total += 1
+                        log.info("%s: idle past its keep_alive, demoted to %s", model_id, to_tier)
+                    finally:
+                        self.tiers.release(model_id, served=False)
 
     def prepare_chat(
         self, runtime: ModelRuntime, engine: Engine, work: ChatWork, limits: LimitsConfig

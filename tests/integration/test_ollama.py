@@ -4,13 +4,14 @@ from a real HTTP server on 127.0.0.1 standing in for the hub."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import io
 import json
 import threading
 from collections.abc import Iterator
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -407,6 +408,8 @@ async def test_pull_delete_and_unloading_need_an_admin_key(api, keys):
         ("post", "/api/pull", {"model": SMOL}),
         ("delete", "/api/delete", {"model": SMOL}),
         ("post", "/api/chat", {"model": SMOL, "messages": [], "keep_alive": 0}),
+        ("post", "/api/chat", {"model": SMOL, "messages": PARIS, "keep_alive": "-1"}),
+        ("post", "/api/generate", {"model": SMOL, "prompt": "Hi", "keep_alive": "10m"}),
     ]:
         call = getattr(api, method)
         response = await call(url, data=json.dumps(body), content_type="application/json", headers=bearer(PLAIN))
@@ -640,3 +643,32 @@ async def test_a_download_that_fails_its_check_ends_the_stream_with_an_error_lin
     assert response.status_code == 500 and "sha256" in response.json()["error"]
     assert not (pulling / "smol-broken.gguf").exists()
     assert "smol-broken:latest" not in {m["name"] for m in (await api.get("/api/tags")).json()["models"]}
+
+
+async def test_a_requests_keep_alive_sets_when_its_model_leaves_tier_1(api):
+    """Ollama's keep_alive as a duration: the model's idle unload time from the answer on,
+    shown as /api/ps's expires_at, then the worker demotes it (recent_evictions: idle)."""
+    body = {"model": SMOL, "messages": PARIS, "keep_alive": "2s", "options": greedy(num_predict=2)}
+    assert (await chat(api, body)).status_code == 200
+    [running] = [m for m in (await api.get("/api/ps")).json()["models"] if m["model"] == f"{SMOL}:latest"]
+    expires = datetime.fromisoformat(running["expires_at"].replace("Z", "+00:00"))
+    assert 0 < (expires - datetime.now(UTC)).total_seconds() <= 2.5
+
+    async def tier() -> str:
+        rows = (await api.get("/v1/memory/status")).json()["models"]
+        return next(r["current_tier"] for r in rows if r["id"] == SMOL)
+
+    for _ in range(80):
+        if await tier() != "tier1_gpu_vram":
+            break
+        await asyncio.sleep(0.1)
+    assert await tier() == "tier2_pinned_ram"
+    evicted = (await api.get("/v1/memory/status")).json()["recent_evictions"][0]
+    assert evicted["model"] == SMOL and evicted["reason"] == "idle" and evicted["for_model"] is None
+    # Forever again (the suite's default on this CPU box), and back in tier 1 for the next tests.
+    again = {**body, "keep_alive": -1}
+    answered = await chat(api, again)
+    assert answered.status_code == 200
+    assert [
+        m["expires_at"][:4] for m in (await api.get("/api/ps")).json()["models"] if m["model"] == f"{SMOL}:latest"
+    ] == ["2319"]

@@ -391,3 +391,33 @@ def test_without_an_idle_timeout_a_parked_state_is_kept_until_taken():
     state = parking.take("m", ("ctx",))
     assert state is not None and [s.seq for s in state.slots] == [0, 1]
     assert parking.take("m", ("ctx",)) is None
+
+
+def test_idle_unload_is_due_after_the_keep_alive_counted_from_the_last_use():
+    clock = Clock()
+    tm = manager(clock=clock)
+    resident(tm, "a")
+    resident(tm, "b")
+    tm.set_keep_alive("a", 60)
+    tm.set_keep_alive("b", -1)  # forever
+    tm.lease("a")
+    clock.now += 100
+    assert tm.expired() == [] and tm.expires_at("a") is None  # serving: never due
+    tm.release("a")
+    clock.now += 59
+    assert tm.expired() == [] and tm.expires_at("a") is not None
+    assert tm.model_status("a")["keep_alive_secs"] == 60 and tm.model_status("b")["expires_at"] is None
+    clock.now += 1
+    assert tm.expired() == ["a"]
+    assert tm.model_status("b")["keep_alive_secs"] == -1
+    tm.demote("a", MemoryTier.TIER2)
+    assert tm.expired() == [] and tm.expires_at("a") is None  # only tier 1 is unloaded
+
+
+def test_the_warm_budget_decides_where_an_idle_model_goes():
+    tm = manager(tier2=100 * MB)  # less than the 120 MB of weights
+    resident(tm, "a")
+    assert tm.warm_room_for("a") is False
+    roomy = manager()
+    resident(roomy, "a")
+    assert roomy.warm_room_for("a") is True

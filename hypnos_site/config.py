@@ -107,6 +107,9 @@ class ServerConfig(_Strict):
     request_log_capacity: int = Field(default=200, ge=1, le=100_000)
     request_log_level: RequestLogLevel = "info"
     request_log_redact: str | None = None
+    # The server's own log lines (one per request on the `hypnos.access` logger, with its id,
+    # route, model, status, duration and tokens): "plain" text or one JSON object per line.
+    log_format: Literal["plain", "json"] = "plain"
     # A chat model's execution slot whose conversation has been idle this long has its KV
     # emptied (its next turn prefills from the start) and is never parked (spec §14); unset
     # keeps a conversation's KV until its slot is reused.

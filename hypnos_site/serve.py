@@ -28,7 +28,9 @@ def main() -> None:
         sys.exit(f"hypnos: {exc}")
     # Before daphne builds its first request: bodies are capped while they stream in (edge.py).
     edge.install()
-    CommandLineInterface().run(["--application-close-timeout", "30", *args])
+    # -v 0: no access log of daphne's own; inference.middleware writes one line per request on
+    # `hypnos.access` (plain or JSON, server.log_format).
+    CommandLineInterface().run(["-v", "0", "--application-close-timeout", "30", *args])
 
 
 if __name__ == "__main__":

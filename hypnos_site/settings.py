@@ -192,6 +192,7 @@ CORS_ALLOWED_ORIGIN_REGEXES = [
 CORS_ALLOW_METHODS = ["GET", "POST", "OPTIONS"]
 CORS_EXPOSE_HEADERS = [
     "x-request-id",
+    "x-client-request-id",
     "x-hypnos-previous-tier",
     "x-hypnos-gpu-layers",
     "x-hypnos-switch-ms",
@@ -204,6 +205,9 @@ CORS_EXPOSE_HEADERS = [
 ]
 CORS_ALLOW_HEADERS = [
     "authorization",
+    # A client's own id for its request, echoed back as x-client-request-id and logged.
+    "x-client-request-id",
+    "x-request-id",
     # Anthropic's SDKs: the key and the API version they send.
     "x-api-key",
     "anthropic-version",
@@ -245,8 +249,16 @@ TIME_ZONE = "UTC"
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+        # python-json-logger: every record as one JSON object, its `extra` fields included.
+        "json": {
+            "()": "pythonjsonlogger.json.JsonFormatter",
+            "fmt": "%(asctime)s %(levelname)s %(name)s %(message)s",
+            "rename_fields": {"asctime": "time", "levelname": "level", "name": "logger"},
+        },
+    },
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": HYPNOS.server.log_format}},
     "root": {"handlers": ["console"], "level": os.environ.get("HYPNOS_LOG_LEVEL", "INFO")},
     "loggers": {"django.request": {"level": "ERROR"}},
 }

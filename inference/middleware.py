@@ -3,6 +3,7 @@ that keep web pages from using the server (Host, Origin, content type)."""
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -61,8 +62,10 @@ class _Middleware:
 
 
 class RequestIdMiddleware(_Middleware):
-    """Every response carries `x-request-id: req-<32 hex>` (spec §1); the end-to-end time of
-    every /v1 route is recorded, for a stream up to its last byte."""
+    """Every response carries `x-request-id: req-<32 hex>` (spec §1), and the client's own id
+    (`X-Client-Request-Id`, or an `X-Request-Id` it sent) back as `x-client-request-id`; the
+    end-to-end time of every route is recorded and one line logged on `hypnos.access`, for a
+    stream when its last byte is out."""
 
     def before(self, request: HttpRequest) -> None:
         request.hypnos_request_id = new_request_id()  # type: ignore[attr-defined]
@@ -71,35 +74,74 @@ class RequestIdMiddleware(_Middleware):
 
     def after(self, request: HttpRequest, response: HttpResponseBase) -> HttpResponseBase:
         response["x-request-id"] = request.hypnos_request_id  # type: ignore[attr-defined]
+        client_id = client_request_id(request)
+        if client_id:
+            response["x-client-request-id"] = client_id
         match = getattr(request, "resolver_match", None)
+        route = None
         if match is not None and match.route and "^" not in match.route:
             route = "/" + match.route.removeprefix("api/")
-            if isinstance(response, StreamingHttpResponse) and response.is_async:
-                # is_async: the content is the async iterator Django gave it.
-                content = cast(AsyncIterator[bytes], response.streaming_content)
-                response.streaming_content = _timed(content, route, request)
-            else:
-                _observe(route, request)
+        if isinstance(response, StreamingHttpResponse) and response.is_async:
+            # is_async: the content is the async iterator Django gave it.
+            content = cast(AsyncIterator[bytes], response.streaming_content)
+            response.streaming_content = _timed(content, route, request, response.status_code, client_id)
+        else:
+            _observe(route, request, response.status_code, client_id)
         return response
 
 
-def _observe(route: str, request: HttpRequest) -> None:
-    """Record the route's end-to-end time and the request's part in a declared workflow."""
+def client_request_id(request: HttpRequest) -> str | None:
+    """The id the client gave its request, when it is printable ASCII of at most 128
+    characters (anything else is not echoed or logged)."""
+    given = request.headers.get("x-client-request-id") or request.headers.get("x-request-id")
+    if given and len(given) <= MAX_CLIENT_ID_CHARS and given.isascii() and given.isprintable():
+        return given
+    return None
+
+
+def _observe(route: str | None, request: HttpRequest, status: int, client_id: str | None) -> None:
+    """Record the route's end-to-end time and the request's part in a declared workflow, and
+    log its line."""
     started = request.hypnos_started  # type: ignore[attr-defined]
     ended = time.perf_counter()
-    latency.routes.observe(route, (ended - started) * 1000)
-    workflow = request.headers.get("x-hypnos-workflow")
-    if workflow:
-        last = request.headers.get("x-hypnos-workflow-end", "").lower() == "true"
-        latency.workflows.observe(workflow, started, ended, last)
+    ms = (ended - started) * 1000
+    if route is not None:
+        latency.routes.observe(route, ms)
+        workflow = request.headers.get("x-hypnos-workflow")
+        if workflow:
+            last = request.headers.get("x-hypnos-workflow-end", "").lower() == "true"
+            latency.workflows.observe(workflow, started, ended, last)
+    _access_line(request, status, ms, client_id)
 
 
-async def _timed(content: AsyncIterator[bytes], route: str, request: HttpRequest) -> AsyncIterator[bytes]:
+def _access_line(request: HttpRequest, status: int, ms: float, client_id: str | None) -> None:
+    """One line per request: its id, method and path, model, status, duration, tokens (from the
+    call's record, on inference routes) and the client's id; JSON fields with log_format json."""
+    record = getattr(request, "hypnos_call", None)
+    fields: dict[str, object] = {
+        "request_id": request.hypnos_request_id,  # type: ignore[attr-defined]
+        "method": request.method,
+        "path": request.path,
+        "status": status,
+        "duration_ms": round(ms, 1),
+    }
+    if record is not None:
+        fields["model"] = getattr(request, "hypnos_model", None)
+        fields["prompt_tokens"], fields["completion_tokens"] = record.tokens_in, record.tokens_out
+    if client_id:
+        fields["client_request_id"] = client_id
+    text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None and k not in ("method", "path"))
+    access_log.info("%s %s %s", request.method, request.path, text, extra=fields)
+
+
+async def _timed(
+    content: AsyncIterator[bytes], route: str | None, request: HttpRequest, status: int, client_id: str | None
+) -> AsyncIterator[bytes]:
     try:
         async for chunk in content:
             yield chunk
     finally:
-        _observe(route, request)
+        _observe(route, request, status, client_id)
 
 
 class BodyLimitMiddleware(_Middleware):
@@ -121,6 +163,8 @@ class BodyLimitMiddleware(_Middleware):
 
 
 STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+access_log = logging.getLogger("hypnos.access")
+MAX_CLIENT_ID_CHARS = 128
 
 
 def origin_allowed(origin: str, host: str) -> bool:

@@ -122,6 +122,7 @@ class InferenceCallAccount:
             self.stream = self.body.get("stream") is True
         elif self.body is None and _is_form(request):
             self.model_name = request.POST.get("model") or None
+        request.hypnos_model = self.model_name  # type: ignore[attr-defined]
         self.principal: ApiPrincipal | None = None
         self.permit: Permit | None = None
         self.refused_by_key = False

@@ -67,13 +67,18 @@ def anthropic_body(error: HypnosError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
-def anthropic_error(error: HypnosError, record: CallRecord | None = None) -> JsonResponse:
+def _shaped(error: HypnosError, body: dict[str, Any], record: CallRecord | None) -> JsonResponse:
+    """`body` as the error's response: its status and headers (Retry-After, WWW-Authenticate)."""
     if record is not None:
         record.note_error(error.message, error.type)
-    response = JsonResponse(anthropic_body(error), status=error.status)
+    response = JsonResponse(body, status=error.status)
     for name, value in error.headers.items():
         response[name] = value
     return response
+
+
+def anthropic_error(error: HypnosError, record: CallRecord | None = None) -> JsonResponse:
+    return _shaped(error, anthropic_body(error), record)
 
 
 def anthropic_sse_error(error: HypnosError, record: CallRecord | None = None) -> str:
@@ -85,12 +90,7 @@ def anthropic_sse_error(error: HypnosError, record: CallRecord | None = None) ->
 
 def ollama_error(error: HypnosError, record: CallRecord | None = None) -> JsonResponse:
     """Ollama's envelope: `{"error": "<message>"}` with the status."""
-    if record is not None:
-        record.note_error(error.message, error.type)
-    response = JsonResponse({"error": error.message}, status=error.status)
-    for name, value in error.headers.items():
-        response[name] = value
-    return response
+    return _shaped(error, {"error": error.message}, record)
 
 
 def ollama_ndjson_error(error: HypnosError, record: CallRecord | None = None) -> str:

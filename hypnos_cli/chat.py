@@ -157,7 +157,7 @@ def do_run(server: Server, args: argparse.Namespace) -> int:
         try:
             chat.say(text)
         except KeyboardInterrupt:
-            note("\n(stopped; this turn is dropped)")
+            note("(stopped; this turn is dropped)")
         except CliError as error:
             # The chat goes on (the next turn may work); the exit status still tells a script.
             failed = True

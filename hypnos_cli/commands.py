@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -70,7 +71,18 @@ def _ps_row(model: dict[str, Any], with_expiry: bool) -> list[str]:
         duration(model.get("idle_seconds")),
         str(model.get("total_requests_served", 0)),
     ]
-    return [*row, model.get("expires_at") or "-"] if with_expiry else row
+    return [*row, _until(model.get("expires_at"))] if with_expiry else row
+
+
+def _until(expires_at: str | None) -> str:
+    """`in 4m59s` for an idle unload due at `expires_at` (ISO 8601); `-` when none is coming."""
+    if not expires_at:
+        return "-"
+    try:
+        due = datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
+    except ValueError:
+        return expires_at
+    return "in " + duration(max((due - datetime.now(UTC)).total_seconds(), 0))
 
 
 def do_ps(server: Server, args: argparse.Namespace) -> int:
@@ -250,7 +262,7 @@ def do_keys_list(server: Server, args: argparse.Namespace) -> int:
 
 def do_keys_revoke(server: Server, args: argparse.Namespace) -> int:
     """DELETE /v1/keys/{label or id}: the key answers 401 from now on."""
-    revoked = server.call("DELETE", f"/v1/keys/{quote(args.key, safe='')}")
+    revoked = server.call("DELETE", f"/v1/keys/{quote(args.name, safe='')}")
     if args.json:
         return dump(revoked)
     print(f"revoked the key {revoked['label']!r} ({revoked.get('key_prefix') or '-'}…)")

@@ -96,7 +96,7 @@ def _server_verbs(verbs: Verbs) -> None:
     create.add_argument("--models", help="comma-separated model ids or aliases it may use (default: every model)")
     verbs.add("list", "every key: the config's and the database's", do_keys_list, key_verbs)
     revoke = verbs.add("revoke", "a database key answers 401 from now on", do_keys_revoke, key_verbs)
-    revoke.add_argument("key", metavar="LABEL|ID")
+    revoke.add_argument("name", metavar="LABEL|ID")  # not `key`: that is the --key option
     logs = verbs.add("logs", "the request log, oldest first", do_logs)
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new records (Ctrl-C ends)")
     logs.add_argument("-n", "--limit", type=int, default=20, help="how many recent records first (default 20)")

@@ -28,7 +28,7 @@ def test_it_reads_the_global_options_before_and_after_the_verb():
     after = build_parser().parse_args(["ps", "--url", "http://h:1", "--json", "--all"])
     assert (before.url, before.json, after.url, after.json, after.all) == ("http://h:1", True, "http://h:1", True, True)
     plain = build_parser().parse_args(["keys", "revoke", "ci-bot"])
-    assert (plain.url, plain.key, plain.json, plain.key_verb) == (None, None, False, "revoke")
+    assert (plain.url, plain.key, plain.json, plain.keys_verb, plain.name) == (None, None, False, "revoke", "ci-bot")
 
 
 def test_it_prints_the_servers_message_in_either_error_shape():

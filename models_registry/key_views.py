@@ -78,6 +78,12 @@ def listed_keys() -> list[dict[str, object]]:
 def do_create_key(body: ApiKeyCreateRequest) -> dict[str, object]:
     """A new database key: its record with the key in clear, the only time it is."""
     was_open = not keys_required()
+    if was_open and not body.admin:
+        # Once a key exists every call needs one: a first key that is not an admin key would
+        # leave nobody able to change the server (or make the next key) over HTTP.
+        raise InvalidRequest(
+            "This server has no API key yet: the first one must be an admin key (admin: true).", param="admin"
+        )
     if body.label in {principal.label for _key, principal in _config_principals()}:
         raise LabelTaken(f"The label {body.label!r} names a key of the config file; choose another.", param="label")
     try:

@@ -102,8 +102,9 @@ async def test_it_refuses_a_taken_label_a_config_key_an_unknown_key_and_a_bad_bo
     assert error(await create(api, {"label": ""}), 400)["param"] == "label"
 
 
-async def test_the_first_key_of_an_open_server_says_that_keys_are_required_from_now_on(api, settings):
+async def test_the_first_key_of_an_open_server_is_an_admin_key_that_says_keys_are_required_now(api, settings):
     with_server(settings, api_keys=[], keys=[])
+    assert error(await create(api, {"label": "first"}), 400)["param"] == "admin"
     made = (await create(api, {"label": "first", "admin": True})).json()
     assert "from now on every /v1 request needs a key" in made["warning"]
     assert error(await api.get("/v1/keys"), 401)["code"] == "invalid_api_key"

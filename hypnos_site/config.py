@@ -85,6 +85,10 @@ class ServerConfig(_Strict):
     deployment: Literal["embedded", "distributed"] = "embedded"
     data_dir: str | None = None
     models_dir: str | None = None
+    # Folders besides models_dir where a model added at run time (POST /v1/models) may keep its
+    # weights: an absolute weights_path, or a symlink in models_dir, must resolve inside one of
+    # them. The Hugging Face cache ($HF_HOME/hub, else ~/.cache/huggingface/hub) always is one.
+    model_paths: list[str] = []
     database_url: str | None = None
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Keys of the channel layer in Redis start with this; separate servers on one Redis need their own.
@@ -468,6 +472,16 @@ class HypnosConfig(_Strict):
             return Path(self.server.data_dir).expanduser()
         base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
         return Path(base) / "hypnos"
+
+    @property
+    def model_folders(self) -> list[Path]:
+        """Where a model's weights may be: models_dir, server.model_paths and the Hugging Face
+        cache, each resolved (symlinks followed)."""
+        hub = (
+            Path(os.environ["HF_HOME"]) / "hub" if os.environ.get("HF_HOME") else Path.home() / ".cache/huggingface/hub"
+        )
+        folders = [self.models_dir, *(Path(p).expanduser() for p in self.server.model_paths), hub]
+        return list(dict.fromkeys(folder.resolve() for folder in folders))
 
     @property
     def models_dir(self) -> Path:

@@ -52,7 +52,7 @@ def model_from_block(text: str, model_id: str | None = None) -> ModelConfig:
 
 
 def check_model(config: HypnosConfig, model: ModelConfig, catalog: Catalog | None) -> ModelConfig:
-    """The startup checks: files inside models_dir, a readable GGUF of a tested architecture for
+    """The startup checks: files inside the allowed folders, a readable GGUF of a tested architecture for
     llama.cpp models, [models.arch] agreeing with the file. Returns the model with the arch
     values it left out filled from the GGUF; raises PoolCheckFailed with every reason."""
     reasons: list[str] = []
@@ -85,10 +85,13 @@ def check_model(config: HypnosConfig, model: ModelConfig, catalog: Catalog | Non
 
 
 def _weights_inside(config: HypnosConfig, model: ModelConfig, reasons: list[str]) -> Path | None:
+    """The weights file, when it resolves (symlinks followed) inside models_dir or another
+    folder the operator allows (server.model_paths, the Hugging Face cache)."""
     root = config.models_dir.resolve()
-    path = (root / Path(model.weights_path).expanduser()).resolve()
-    if not path.is_relative_to(root):
-        reasons.append(f"weights_path {model.weights_path!r} is outside models_dir ({root})")
+    path = config.weights_file(model).resolve()
+    if not any(path.is_relative_to(folder) for folder in config.model_folders):
+        allowed = ", ".join(str(folder) for folder in config.model_folders)
+        reasons.append(f"weights_path {model.weights_path!r} is outside models_dir and server.model_paths ({allowed})")
         return None
     if not path.exists():
         reasons.append(

@@ -259,3 +259,51 @@ async def test_options_that_do_not_validate_are_refused(api, pool, body, reason)
     refused = await post_json(api, f"/v1/models/{SMOL}/options", body)
     assert refused.status_code == 400 and reason in refused.json()["error"]["message"]
     assert (await api.get(f"/v1/models/{SMOL}/options")).json()["saved"] == {}
+
+
+def smol_block(weights_path: str) -> str:
+    return "\n".join(
+        [
+            "[[models]]",
+            'id = "my-smol"',
+            'modality = "text_generation"',
+            'engine = "ggml_llama"',
+            f"weights_path = {json.dumps(weights_path)}",
+            "context_len = 2048",
+        ]
+    )
+
+
+async def test_the_users_own_files_are_served_from_the_folders_the_operator_allows(api, pool, settings, tmp_path):
+    """An absolute weights_path, or a symlink in models_dir, is served when it resolves inside
+    models_dir or server.model_paths, and refused when it resolves anywhere else."""
+    import shutil
+
+    mine, elsewhere = tmp_path / "mine", tmp_path / "elsewhere"
+    mine.mkdir()
+    elsewhere.mkdir()
+    source = settings.HYPNOS.weights_file(settings.HYPNOS.models[0])
+    shutil.copy(source, mine / "smol.gguf")
+    shutil.copy(source, elsewhere / "smol.gguf")
+    link = settings.HYPNOS.models_dir / "hypnos-test-link.gguf"
+    link.unlink(missing_ok=True)
+    link.symlink_to(elsewhere / "smol.gguf")
+    try:
+        refused = await post_json(api, "/v1/models", {"config": smol_block(str(mine / "smol.gguf"))})
+        assert refused.status_code == 400 and "is outside models_dir" in refused.json()["error"]["message"]
+        linked = await post_json(api, "/v1/models", {"config": smol_block(link.name)})
+        assert linked.status_code == 400 and str(elsewhere) not in settings.HYPNOS.server.model_paths
+
+        with_server(settings, model_paths=[str(mine)])
+        added = await post_json(api, "/v1/models", {"config": smol_block(str(mine / "smol.gguf"))})
+        assert added.status_code == 201, added.content
+        assert (await chat(api, "my-smol")).status_code == 200
+        assert (await api.delete("/v1/models/my-smol")).status_code == 200
+
+        with_server(settings, model_paths=[str(mine), str(elsewhere)])
+        added = await post_json(api, "/v1/models", {"config": smol_block(link.name)})
+        assert added.status_code == 201, added.content
+        assert (await chat(api, "my-smol")).status_code == 200
+        assert (await api.delete("/v1/models/my-smol")).status_code == 200
+    finally:
+        link.unlink(missing_ok=True)

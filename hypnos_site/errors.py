@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from django.http import Http404, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.urls import Resolver404, resolve
 from rest_framework import exceptions as drf
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,18 @@ def _from_drf(exc: drf.APIException) -> HypnosError:
     err = InvalidRequest(str(exc.detail))
     err.status = exc.status_code
     return err
+
+
+def refusal(request: HttpRequest, error: HypnosError) -> HttpResponse:
+    """A middleware's refusal, before any view runs, in the shape of the route the request
+    resolves to when its view (a class view, or a function view) names one (`error_response`:
+    the Ollama and Anthropic routes answer in their APIs' shapes), else in the envelope."""
+    try:
+        match = resolve(request.path_info)
+    except Resolver404:
+        return error.response()
+    render = getattr(getattr(match.func, "cls", match.func), "error_response", None)
+    return render(error) if render is not None else error.response()
 
 
 def as_hypnos_error(exc: Exception, view: object = None) -> HypnosError:

@@ -21,7 +21,7 @@ from django.http.request import split_domain_port, validate_host
 from django.urls import Resolver404, resolve
 from rest_framework.utils.mediatypes import media_type_matches
 
-from hypnos_site.errors import InvalidRequest, PermissionDenied, UnsupportedMediaType
+from hypnos_site.errors import InvalidRequest, PermissionDenied, UnsupportedMediaType, refusal
 from inference import latency
 from inference.parsers import multipart_problem
 from inference.views import UnknownRouteView
@@ -189,6 +189,8 @@ class BrowserGuardMiddleware(_Middleware):
       x-www-form-urlencoded are the content types a page may send without a preflight.
 
     Clients that are not browsers send no Origin header and a JSON body: nothing changes for them.
+
+    Each refusal is in the route's own shape (Ollama's, Anthropic's: hypnos_site.errors.refusal).
     """
 
     def before(self, request: HttpRequest) -> HttpResponseBase | None:
@@ -196,20 +198,26 @@ class BrowserGuardMiddleware(_Middleware):
             host = request.get_host()
         except DisallowedHost:
             raw = request.META.get("HTTP_HOST", "")[:200]
-            return InvalidRequest(
-                f"The Host header {raw!r} is not a name this server answers to; "
-                "an operator adds it to server.allowed_hosts.",
-                code="disallowed_host",
-            ).response()
+            return refusal(
+                request,
+                InvalidRequest(
+                    f"The Host header {raw!r} is not a name this server answers to; "
+                    "an operator adds it to server.allowed_hosts.",
+                    code="disallowed_host",
+                ),
+            )
         if request.method not in STATE_CHANGING:
             return None
         origin = request.headers.get("origin")
         if origin is not None and not origin_allowed(origin, host):
-            return PermissionDenied(
-                f"Calls from the web origin {origin[:200]!r} may not change anything here; "
-                "an operator adds it to server.allowed_origins.",
-                code="origin_not_allowed",
-            ).response()
+            return refusal(
+                request,
+                PermissionDenied(
+                    f"Calls from the web origin {origin[:200]!r} may not change anything here; "
+                    "an operator adds it to server.allowed_origins.",
+                    code="origin_not_allowed",
+                ),
+            )
         return _media_type_refusal(request)
 
 
@@ -234,10 +242,13 @@ def _media_type_refusal(request: HttpRequest) -> HttpResponseBase | None:
     # A body the route cannot read, or a preflight-free type even without a body.
     if not _has_body(request) and not (request.content_type or "").lower().startswith(SIMPLE_MEDIA_TYPES):
         return None
-    return UnsupportedMediaType(
-        f"Content-Type {media_type[:100]!r} is not accepted here; send {' or '.join(accepted)}.",
-        param="Content-Type",
-    ).response()
+    return refusal(
+        request,
+        UnsupportedMediaType(
+            f"Content-Type {media_type[:100]!r} is not accepted here; send {' or '.join(accepted)}.",
+            param="Content-Type",
+        ),
+    )
 
 
 def _multipart_refusal(request: HttpRequest) -> HttpResponseBase | None:
@@ -250,7 +261,8 @@ def _multipart_refusal(request: HttpRequest) -> HttpResponseBase | None:
     try:
         request.POST  # noqa: B018 (parses and keeps the parts)
     except (MultiPartParserError, SuspiciousOperation) as exc:
-        return InvalidRequest(f"The multipart/form-data body could not be read: {multipart_problem(exc)}").response()
+        problem = InvalidRequest(f"The multipart/form-data body could not be read: {multipart_problem(exc)}")
+        return refusal(request, problem)
     return None
 
 

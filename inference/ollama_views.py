@@ -4,7 +4,8 @@ shape (`{"error": "<message>"}` with the status) through render.ollama_error."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
@@ -32,6 +33,7 @@ from models_registry.authentication import IsAdminKey, is_admin
 # The Ollama release whose API these routes follow; clients gate features on it (structured
 # outputs, tools, think).
 OLLAMA_VERSION = "0.12.6"
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class OllamaView(APIView):
@@ -116,7 +118,15 @@ class UnknownView(OllamaView):
     get = post = put = patch = delete = head = _not_found
 
 
+def _ollama_shaped(view: F) -> F:
+    """A function view whose middleware refusals (a foreign Origin's 403) are in Ollama's shape,
+    as OllamaView's are (hypnos_site.errors.refusal reads the attribute)."""
+    view.error_response = ollama_error  # type: ignore[attr-defined]
+    return view
+
+
 # Not DRF views, so Django's CSRF check would answer another method with its HTML 403.
+@_ollama_shaped
 @csrf_exempt
 async def version(request: HttpRequest) -> HttpResponseBase:
     """GET /api/version, open like /health: what clients probe before anything else."""
@@ -125,6 +135,7 @@ async def version(request: HttpRequest) -> HttpResponseBase:
     return JsonResponse({"version": OLLAMA_VERSION, "hypnos_version": __version__})
 
 
+@_ollama_shaped
 @csrf_exempt
 async def root(request: HttpRequest) -> HttpResponseBase:
     """HEAD / and GET /: Ollama's liveness answer (the web playground takes GET / later)."""

@@ -3,6 +3,7 @@ code maps them onto the same typed work as /v1 (inference/serving/ollama.py)."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -14,6 +15,8 @@ from inference.protocol import Tool
 # Go's time.ParseDuration units, as Ollama reads a keep_alive string ("5m", "1h30m", "300ms").
 _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+# Go's longest time.Duration, 2**63 - 1 nanoseconds (ollama_models.FOREVER).
+MAX_DURATION_SECS = (2**63 - 1) / 1e9
 
 
 class _Wire(BaseModel):
@@ -169,11 +172,27 @@ class DeleteRequest(_Named):
 
 def duration_secs(value: KeepAlive) -> float:
     """A keep_alive as Ollama reads it: a number of seconds, or a Go duration string ("5m",
-    "1h30m", "-1s"); a bare number in a string counts seconds too. 400 for anything else."""
+    "1h30m", "-1s"); a bare number in a string counts seconds too. 400 for anything else, and
+    for a duration past Go's longest (about 292 years): the model's expiry would have no date,
+    and the worker's status, which shows it, could not be read while it held."""
+    secs = _seconds(value)
+    if math.isnan(secs) or secs > MAX_DURATION_SECS:
+        raise InvalidRequest(
+            f"keep_alive {str(value)[:40]!r} is beyond the longest duration (about 292 years); "
+            "-1 keeps the model loaded for good",
+            param="keep_alive",
+        )
+    return secs
+
+
+def _seconds(value: KeepAlive) -> float:
     if isinstance(value, bool):
         raise InvalidRequest('keep_alive must be a duration such as "5m" or a number of seconds', param="keep_alive")
     if isinstance(value, int | float):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond any float
+            return math.inf if value > 0 else -math.inf
     text = value.strip()
     sign = -1.0 if text.startswith("-") else 1.0
     body = text.lstrip("+-")

@@ -25,12 +25,11 @@ from typing import Any
 from asgiref.sync import markcoroutinefunction
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
 from django.http.request import RawPostDataException
-from django.urls import Resolver404, resolve
 from redis.exceptions import RedisError
 
-from hypnos_site.errors import HypnosError, ModelNotAvailable, PermissionDenied, RateLimited
+from hypnos_site.errors import HypnosError, ModelNotAvailable, PermissionDenied, RateLimited, refusal
 from hypnos_site.metrics import Observation, get_counters, observation
 from logs.capture import (
     CANCELLED,
@@ -94,17 +93,6 @@ class InferenceAccountingMiddleware:
         return response
 
 
-def _refusal(request: HttpRequest, error: HypnosError) -> HttpResponse:
-    """A refusal in the route's own shape when its view names one (`error_response`: the
-    Anthropic routes answer in Anthropic's envelope), else in the envelope."""
-    try:
-        match = resolve(request.path_info)
-    except Resolver404:
-        return error.response()
-    render = getattr(getattr(match.func, "cls", None), "error_response", None)
-    return render(error) if render is not None else error.response()
-
-
 class InferenceCallAccount:
     """One inference call from its arrival to the last byte of its response."""
 
@@ -163,7 +151,7 @@ class InferenceCallAccount:
 
     def refuse(self, error: HypnosError) -> HttpResponseBase:
         self.record.note_error(error.message, error.type)
-        response = _refusal(self.request, error)
+        response = refusal(self.request, error)
         self.payload.add(response.content.decode())
         return response
 

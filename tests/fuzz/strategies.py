@@ -623,13 +623,16 @@ def for_annotation(annotation: Any, metadata: list[Any] | None = None) -> st.Sea
     return small_json  # Any
 
 
-def wire_body(model: type[BaseModel]) -> st.SearchStrategy[dict[str, Any]]:
+def wire_body(
+    model: type[BaseModel], overrides: dict[str, st.SearchStrategy[Any]] | None = None
+) -> st.SearchStrategy[dict[str, Any]]:
     """A valid body of `model`: every required field, a random subset of the optional ones, keys
-    spelled as on the wire (aliases)."""
+    spelled as on the wire (aliases). `overrides` ("<Model>.<field>") come before the module's."""
     required: dict[str, st.SearchStrategy[Any]] = {}
     optional: dict[str, st.SearchStrategy[Any]] = {}
     for name, field in model.model_fields.items():
-        strategy = MODEL_FIELD_OVERRIDES.get(f"{model.__name__}.{name}")
+        key = f"{model.__name__}.{name}"
+        strategy = (overrides or {}).get(key, MODEL_FIELD_OVERRIDES.get(key))
         if strategy is None:
             strategy = FIELD_OVERRIDES.get(name)
         if strategy is None:

@@ -8,10 +8,14 @@ must hold the contract of spec §1 and §4:
 
 - no 5xx (except the spec's own: 503 deadline_unmeetable when the request set a deadline,
   507 when a manual placement does not fit), no exception, no hang;
-- every 4xx is the JSON envelope {"error": {"message", "type", "param", "code"}}, except the
-  plain-text 408 and 413 of spec §4;
+- every 4xx is the JSON error shape of the route's family (its Route's `errors`), except the
+  plain-text 408 and 413 of spec §4: OpenAI's envelope {"error": {"message", "type", "param",
+  "code"}} on /v1, Ollama's {"error": "<message>"} on /api, Anthropic's {"type": "error",
+  "error": {"type", "message"}} on the messages routes; a stream never fails after its headers
+  (the family's error chunk, line or event);
 - every answer carries x-request-id: req-<32 hex>;
-- no document URL on a private address is fetched (a loopback server counts what reaches it).
+- no document URL on a private address is fetched (a loopback server counts what reaches it),
+  and no pull downloads anything (a trap stands in for its download).
 
 The findings are collected over the whole run and reported together. KNOWN_OPEN lists, one
 predicate per finding, the shapes that still fail while their fixes land (issue 12); an entry
@@ -21,6 +25,7 @@ whose shape no longer fails is reported as a warning so it can be removed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -59,8 +64,10 @@ from inference.protocol_media import (
     SpeechRequest,
     TranscriptionRequest,
 )
+from inference.serving import ollama_pull
 from logs.store import settled
 from tests.fuzz import strategies as fz
+from tests.fuzz import strategies_compat as compat
 from tests.gliner_graph import build_gliner_model
 from tests.integration.conftest import with_limits, with_server
 
@@ -79,8 +86,134 @@ CI_SETTINGS = hypothesis_settings(
     print_blob=False,
 )
 REQUEST_ID = re.compile(r"^req-[0-9a-f]{32}$")
-ENVELOPE_KEYS = {"message", "type", "param", "code"}
 LOGGED = "the server logged an error: "
+
+
+# -- the error shapes -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ErrorShape:
+    """How a route family answers an error: `problems` checks the parsed body of an error answer
+    with its status, `kind` reads the spec's error type from it, `failed_stream` tells a stream
+    (its content type and body) that failed after its headers."""
+
+    name: str
+    problems: Callable[[int, Any], list[str]]
+    kind: Callable[[Any], str | None]
+    failed_stream: Callable[[str, bytes], bool]
+
+
+OPENAI_KEYS = {"message", "type", "param", "code"}
+# Anthropic's error types, and the one each documented status goes with.
+ANTHROPIC_TYPES = {
+    "invalid_request_error",
+    "authentication_error",
+    "billing_error",
+    "permission_error",
+    "not_found_error",
+    "request_too_large",
+    "rate_limit_error",
+    "api_error",
+    "timeout_error",
+    "overloaded_error",
+}
+ANTHROPIC_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+
+
+def _openai_problems(status: int, body: Any) -> list[str]:
+    if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(body["error"], dict):
+        return [f"error answer outside the envelope: {json.dumps(body)[:200]!r}"]
+    error = body["error"]
+    problems = []
+    if set(error) != OPENAI_KEYS:
+        problems.append(f"error keys {sorted(error)} instead of {sorted(OPENAI_KEYS)}")
+    if not isinstance(error.get("message"), str) or not error.get("message"):
+        problems.append("error.message is not a non-empty string")
+    if not isinstance(error.get("type"), str):
+        problems.append("error.type is not a string")
+    for key in ("param", "code"):
+        if error.get(key) is not None and not isinstance(error.get(key), str):
+            problems.append(f"error.{key} is neither a string nor null")
+    return problems
+
+
+def _openai_kind(body: Any) -> str | None:
+    try:
+        return str(body["error"]["type"])
+    except (KeyError, TypeError):
+        return None
+
+
+def _ollama_problems(status: int, body: Any) -> list[str]:
+    if not isinstance(body, dict) or set(body) != {"error"}:
+        return [f"error answer outside Ollama's shape: {json.dumps(body)[:200]!r}"]
+    if not isinstance(body["error"], str) or not body["error"]:
+        return ["error is not a non-empty string"]
+    return []
+
+
+def _anthropic_problems(status: int, body: Any) -> list[str]:
+    if not isinstance(body, dict) or set(body) != {"type", "error"} or not isinstance(body["error"], dict):
+        return [f"error answer outside Anthropic's envelope: {json.dumps(body)[:200]!r}"]
+    error = body["error"]
+    problems = [] if body["type"] == "error" else [f"type {body['type']!r} instead of 'error'"]
+    if set(error) != {"type", "message"}:
+        problems.append(f"error keys {sorted(error)} instead of ['message', 'type']")
+    if not isinstance(error.get("message"), str) or not error.get("message"):
+        problems.append("error.message is not a non-empty string")
+    kind = error.get("type")
+    if kind not in ANTHROPIC_TYPES:
+        problems.append(f"error.type {kind!r} is none of Anthropic's")
+    elif ANTHROPIC_STATUS_TYPES.get(status, kind) != kind:
+        problems.append(f"error.type {kind!r} on a {status}, not {ANTHROPIC_STATUS_TYPES[status]!r}")
+    return problems
+
+
+def _message_kind(message: Any) -> str | None:
+    # Ollama's and Anthropic's bodies carry no spec type: the deadline refusal is the one that
+    # names the header the request set.
+    return "deadline_unmeetable" if isinstance(message, str) and "x-hypnos-deadline-ms of" in message else None
+
+
+def _ndjson_lines(body: bytes) -> list[Any]:
+    """The objects of an NDJSON body (ValueError when a line is none)."""
+    return [json.loads(text) for text in body.split(b"\n") if text.strip()]
+
+
+def _ndjson_failed(content_type: str, body: bytes) -> bool:
+    if not content_type.startswith("application/x-ndjson"):
+        return False
+    try:
+        return any(isinstance(item, dict) and "error" in item for item in _ndjson_lines(body))
+    except ValueError:
+        return False  # reported as a body that does not parse
+
+
+OPENAI = ErrorShape(
+    "OpenAI",
+    _openai_problems,
+    _openai_kind,
+    lambda content_type, body: content_type.startswith("text/event-stream") and b'"finish_reason": "error"' in body,
+)
+OLLAMA = ErrorShape("Ollama", _ollama_problems, lambda body: _message_kind(body.get("error")), _ndjson_failed)
+ANTHROPIC = ErrorShape(
+    "Anthropic",
+    _anthropic_problems,
+    lambda body: _message_kind((body.get("error") or {}).get("message")),
+    # The event's own line (a text delta's JSON holds no raw newline).
+    lambda content_type, body: (
+        content_type.startswith("text/event-stream") and re.search(rb"(?m)^event: error$", body) is not None
+    ),
+)
 
 
 # -- the requests ---------------------------------------------------------------------------------
@@ -96,6 +229,7 @@ class Case:
     body: bytes = b""
     value: Any = None  # the body before encoding, when it was JSON
     shape: str = ""  # how the body was made
+    errors: ErrorShape = OPENAI  # the route's
 
     def describe(self, limit: int = 600) -> str:
         body = self.body if len(self.body) <= limit else self.body[:limit] + b"...(%d bytes)" % len(self.body)
@@ -112,6 +246,9 @@ class Route:
     body: st.SearchStrategy[Any] | None = None
     path: st.SearchStrategy[str] | None = None
     weight: int = 1
+    errors: ErrorShape = OPENAI
+    # The methods mostly sent without a body (Ollama's delete takes one).
+    bodyless: tuple[str, ...] = ("GET", "HEAD", "OPTIONS", "DELETE")
 
 
 def _model_path(suffix: str, ids: st.SearchStrategy[str] = fz.path_ids) -> st.SearchStrategy[str]:
@@ -183,6 +320,8 @@ V1_ROUTES = [
     Route("chat/completions", ("POST",), fz.wire_body(ChatCompletionRequest), weight=12),
     Route("completions", ("POST",), fz.wire_body(CompletionRequest), weight=5),
     Route("responses", ("POST",), fz.wire_body(ResponsesRequest), weight=5),
+    Route("messages", ("POST",), compat.message_body, weight=6, errors=ANTHROPIC),
+    Route("messages/count_tokens", ("POST",), compat.count_tokens_body, weight=2, errors=ANTHROPIC),
     Route("models", ("GET", "HEAD", "POST"), pool_body, weight=2),
     Route("models/catalog", ("GET",)),
     Route("advisor", ("POST",), fz.wire_body(AdvisorRequest), weight=2),
@@ -251,15 +390,37 @@ ROUTES = [
     Route("api/v1/load", ("POST",), lemonade_body),
     Route("api/v1/unload", ("POST",), lemonade_body),
     Route("api/v1/stats", ("GET",)),
-    *[Route("v1/" + r.pattern, r.methods, r.body, r.path, r.weight) for r in V1_ROUTES],
-    *[Route("api/v1/" + r.pattern, r.methods, r.body, r.path, max(r.weight // 3, 1)) for r in V1_ROUTES],
+    *[dataclasses.replace(r, pattern="v1/" + r.pattern) for r in V1_ROUTES],
+    *[dataclasses.replace(r, pattern="api/v1/" + r.pattern, weight=max(r.weight // 3, 1)) for r in V1_ROUTES],
     # The key routes (`hypnos keys`) on /v1 only. No POST: a key it made would close the API to
     # every route fuzzed after it (tests/integration/test_key_routes.py covers creation).
     Route("v1/keys", ("GET",)),
     Route("v1/keys/<str:key>", ("DELETE",), path=fz.path_ids.map(lambda k: f"keys/{k}")),
+    # Ollama's API, last: its keep_alive changes how long the chat and embedding models stay in
+    # tier 1, and its delete takes the victim out of the pool.
+    Route("", ("GET", "HEAD"), errors=OLLAMA),
+    Route("api/version", ("GET", "HEAD"), errors=OLLAMA),
+    Route("api/tags", ("GET", "HEAD"), errors=OLLAMA),
+    Route("api/show", ("POST",), compat.ollama_show_body, errors=OLLAMA),
+    Route("api/chat", ("POST",), compat.ollama_chat_body, weight=5, errors=OLLAMA),
+    Route("api/generate", ("POST",), compat.ollama_generate_body, weight=3, errors=OLLAMA),
+    Route("api/embed", ("POST",), compat.ollama_embed_body, weight=2, errors=OLLAMA),
+    Route("api/embeddings", ("POST",), compat.ollama_embeddings_body, errors=OLLAMA),
+    # After the routes whose keep_alive it shows (expires_at).
+    Route("api/ps", ("GET", "HEAD"), errors=OLLAMA),
+    # Names with nothing to download (compat.pull_names; compat.DOWNLOAD_TRAP reports a download).
+    Route("api/pull", ("POST",), compat.ollama_pull_body, weight=2, errors=OLLAMA),
+    Route(
+        "api/delete",
+        ("DELETE",),
+        compat.ollama_delete_body,
+        errors=OLLAMA,
+        bodyless=("GET", "HEAD", "OPTIONS"),
+    ),
+    Route("^api/", ("GET", "POST", "DELETE"), path=compat.ollama_unknown_paths, errors=OLLAMA),
 ]
 UNKNOWN_TOP_LEVEL = Route(
-    "<top-level 404>", ("GET", "POST"), path=st.sampled_from(["", "nope", "v2/models", "v1", "static/x", "%ff"])
+    "<top-level 404>", ("GET", "POST"), path=st.sampled_from(["nope", "v2/models", "v1", "static/x", "%ff", "apis"])
 )
 FUZZED = [*ROUTES, UNKNOWN_TOP_LEVEL]
 # Cases per route: its weight times this (the inference routes have the most shapes to try).
@@ -281,8 +442,8 @@ def cases(draw: st.DrawFn, route: Route) -> Case:
     path = _url_of(route, draw(route.path) if route.path is not None else None)
     query = draw(fz.query_strings)
     path += "&" + query[1:] if query and "?" in path else query
-    case = Case(route.pattern, method, path, draw(fz.headers()))
-    if method in ("GET", "HEAD", "OPTIONS", "DELETE") and not draw(st.integers(0, 7)) == 0:
+    case = Case(route.pattern, method, path, draw(fz.headers()), errors=route.errors)
+    if method in route.bodyless and not draw(st.integers(0, 7)) == 0:
         return case
     kind = draw(st.sampled_from(["wire"] * 8 + ["garbage"])) if route.body is not None else "garbage"
     uploads = {
@@ -317,6 +478,7 @@ class Outcome:
     error: str | None = None  # an exception or a hang instead of an answer
     logged: list[str] = field(default_factory=list)  # ERROR records the server logged meanwhile
     fetched: list[str] = field(default_factory=list)  # paths the fetch trap served meanwhile
+    downloads: list[str] = field(default_factory=list)  # files a pull asked the download trap for
 
 
 def _nesting(body: bytes) -> int:
@@ -360,26 +522,32 @@ def violations(case: Case, outcome: Outcome) -> list[str]:
         return [outcome.error]
     found = [LOGGED + line for line in outcome.logged]
     found += [f"fetched a private address: {path[:80]}" for path in outcome.fetched]
+    found += [f"a pull started a download: {label[:80]}" for label in outcome.downloads]
     status, content_type = outcome.status or 0, outcome.headers.get("content-type", "")
     if not REQUEST_ID.match(outcome.headers.get("x-request-id", "")):
         found.append(f"x-request-id missing or malformed: {outcome.headers.get('x-request-id')!r}")
     if status >= 500 and not _spec_5xx(case, outcome):
         found.append(f"status {status}")
     if status >= 400 and not (status in (408, 413) and content_type.startswith("text/plain")):
-        found += _envelope_problems(outcome, head=case.method == "HEAD")
+        found += _envelope_problems(case.errors, outcome, head=case.method == "HEAD")
     elif 200 <= status < 300 and content_type.startswith("application/json") and case.method != "HEAD":
         try:
             json.loads(outcome.body)
         except ValueError:
             found.append("a 2xx JSON answer that does not parse")
-    if content_type.startswith("text/event-stream") and b'"finish_reason": "error"' in outcome.body:
+    elif 200 <= status < 300 and content_type.startswith("application/x-ndjson"):
+        try:
+            _ndjson_lines(outcome.body)
+        except ValueError:
+            found.append("a 2xx NDJSON answer with a line that does not parse")
+    if case.errors.failed_stream(content_type, outcome.body):
         found.append("a stream that failed after its headers")
     return found
 
 
 def _spec_5xx(case: Case, outcome: Outcome) -> bool:
     """The 5xx answers the spec gives to these requests on a healthy server."""
-    kind = _error_type(outcome)
+    kind = _error_type(case.errors, outcome)
     if outcome.status == 503 and kind == "deadline_unmeetable":
         return "x-hypnos-deadline-ms" in case.headers
     if outcome.status == 507 and kind in ("insufficient_vram_or_ram", "process_memory_cap"):
@@ -387,14 +555,15 @@ def _spec_5xx(case: Case, outcome: Outcome) -> bool:
     return False
 
 
-def _error_type(outcome: Outcome) -> str | None:
+def _error_type(shape: ErrorShape, outcome: Outcome) -> str | None:
     try:
-        return json.loads(outcome.body)["error"]["type"]
-    except (ValueError, KeyError, TypeError):
+        body = json.loads(outcome.body)
+    except ValueError:
         return None
+    return shape.kind(body) if isinstance(body, dict) else None
 
 
-def _envelope_problems(outcome: Outcome, head: bool) -> list[str]:
+def _envelope_problems(shape: ErrorShape, outcome: Outcome, head: bool) -> list[str]:
     if not outcome.headers.get("content-type", "").startswith("application/json"):
         return [f"error answer in {outcome.headers.get('content-type')!r}, not JSON"]
     if head:  # the headers of the GET answer, without its body
@@ -403,20 +572,7 @@ def _envelope_problems(outcome: Outcome, head: bool) -> list[str]:
         body = json.loads(outcome.body)
     except ValueError:
         return ["error answer whose JSON does not parse"]
-    if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(body["error"], dict):
-        return [f"error answer outside the envelope: {outcome.body[:200]!r}"]
-    error = body["error"]
-    problems = []
-    if set(error) != ENVELOPE_KEYS:
-        problems.append(f"error keys {sorted(error)} instead of {sorted(ENVELOPE_KEYS)}")
-    if not isinstance(error.get("message"), str) or not error.get("message"):
-        problems.append("error.message is not a non-empty string")
-    if not isinstance(error.get("type"), str):
-        problems.append("error.type is not a string")
-    for key in ("param", "code"):
-        if error.get(key) is not None and not isinstance(error.get(key), str):
-            problems.append(f"error.{key} is neither a string nor null")
-    return problems
+    return shape.problems(outcome.status or 0, body)
 
 
 # -- running them ---------------------------------------------------------------------------------------
@@ -567,11 +723,13 @@ def fuzz_route(route: Route, answer: Callable[[Case], Outcome], errors: ErrorRec
             return
         errors.take()
         fz.FETCH_TRAP.take()
+        compat.DOWNLOAD_TRAP.take()
         started = time.monotonic()
         outcome = answer(case)
         report.seconds[case.route] += time.monotonic() - started
         outcome.logged = errors.take()
         outcome.fetched = fz.FETCH_TRAP.take()
+        outcome.downloads = compat.DOWNLOAD_TRAP.take()
         fz.note_documents(case.route, outcome.status, outcome.body)
         report.record(case, outcome)
 
@@ -582,8 +740,13 @@ def test_every_route_of_the_url_table_has_a_fuzz_strategy():
     assert url_table_patterns() == {r.pattern for r in ROUTES}
 
 
-def test_fuzzed_requests_on_every_route_get_the_envelope_a_request_id_and_never_a_5xx(settings, serve, tmp_path):
-    serve(fuzz_config(settings, tmp_path / "gliner"))
+def test_fuzzed_requests_on_every_route_get_the_envelope_a_request_id_and_never_a_5xx(
+    settings, serve, tmp_path, monkeypatch
+):
+    config = fuzz_config(settings, tmp_path / "gliner")
+    serve(config)
+    monkeypatch.setattr(ollama_pull, "fetch", compat.DOWNLOAD_TRAP)
+    model_files = {config.weights_file(m) for m in config.models}
     report = Report()
     started = time.monotonic()
     errors = ErrorRecords()
@@ -611,3 +774,5 @@ def test_fuzzed_requests_on_every_route_get_the_envelope_a_request_id_and_never_
     assert sum(report.cases.values()) + sum(report.excluded.values()) >= 1000, report.summary()
     thin = {r.pattern: report.cases[r.pattern] for r in ROUTES if report.cases[r.pattern] < MIN_CASES_PER_ROUTE}
     assert not thin, f"routes fuzzed fewer than {MIN_CASES_PER_ROUTE} times: {thin}"
+    # The pool-changing routes (DELETE /v1/models/{id}, /api/delete) removed no weights.
+    assert not [path for path in model_files if not path.exists()]

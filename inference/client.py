@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -301,10 +302,29 @@ class InProcessTransport(Transport):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         request_id = request.request_id
+        # Events the worker sent since the event loop last took them: one wake-up of the loop
+        # takes them all, consecutive deltas joined, so a loop busy with other streams is not
+        # woken once per token per stream. When it keeps up, every event goes at once.
+        pending: list[Event] = []
+        lock = threading.Lock()
+
+        def hand_over() -> None:
+            with lock:
+                events = pending[:]
+                pending.clear()
+            for event in events:
+                queue.put_nowait(event)
 
         def sink(event: Event) -> None:
+            with lock:
+                if pending and isinstance(event, Delta) and isinstance(pending[-1], Delta):
+                    pending[-1] = pending[-1].joined(event)
+                    return
+                pending.append(event)
+                if len(pending) > 1:
+                    return  # the hand-over already scheduled takes this one too
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
+                loop.call_soon_threadsafe(hand_over)
             except RuntimeError:  # the caller's event loop is gone: nobody reads this any more
                 self.worker.abort(request_id)
 

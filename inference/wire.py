@@ -323,6 +323,11 @@ class Delta:
     text: str
     logprobs: list[dict[str, Any]] | None = None
 
+    def joined(self, later: Delta) -> Delta:
+        """This delta and the one right after it as one (the transports batch deltas)."""
+        logprobs = (self.logprobs or []) + (later.logprobs or [])
+        return Delta(text=self.text + later.text, logprobs=logprobs or None)
+
 
 @dataclass(slots=True, frozen=True, kw_only=True)
 class Reasoning:

@@ -26,6 +26,8 @@ from memory.tiers import MemoryTier, Placement
 PRIORITY_RANK = {"low": 0, "normal": 1, "high": 2, "realtime_pinned": 3}
 RATE_WINDOW_SECS = 600.0
 RECENT_EVICTIONS = 20
+# A keep-alive this long (~317 years) is forever: its expiry would pass what datetime holds.
+FOREVER_SECS = 1e10
 # Load speeds assumed before a model's own loads have been measured.
 DISK_READ_BYTES_PER_S = 1.5e9
 RAM_LOAD_BYTES_PER_S = 8e9
@@ -147,11 +149,12 @@ class TierManager:
             return entry
 
     def set_keep_alive(self, model_id: str, secs: float | None) -> None:
-        """How long the model may sit idle in tier 1 (None or negative: forever); counted from
-        its last use."""
+        """How long the model may sit idle in tier 1 (None, negative, or beyond any date a status
+        can show: forever); counted from its last use."""
+        forever = secs is None or not math.isfinite(secs) or secs < 0 or secs >= FOREVER_SECS
         with self.lock:
             if model_id in self.entries:
-                self.entries[model_id].keep_alive_secs = None if secs is None or secs < 0 else secs
+                self.entries[model_id].keep_alive_secs = None if forever else secs
 
     def expired(self) -> list[str]:
         """The idle tier-1 models whose keep-alive has run out, the longest idle first."""

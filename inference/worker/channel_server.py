@@ -136,12 +136,7 @@ def _take_ready(first: Any, queue: asyncio.Queue[Any]) -> list[Any]:
     while not isinstance(batch[-1], TERMINAL) and not queue.empty():
         event = queue.get_nowait()
         if isinstance(event, Delta) and isinstance(batch[-1], Delta):
-            batch[-1] = _joined(batch[-1], event)
+            batch[-1] = batch[-1].joined(event)
         else:
             batch.append(event)
     return batch
-
-
-def _joined(first: Delta, second: Delta) -> Delta:
-    logprobs = (first.logprobs or []) + (second.logprobs or [])
-    return Delta(text=first.text + second.text, logprobs=logprobs or None)

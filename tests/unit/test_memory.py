@@ -421,3 +421,13 @@ def test_the_warm_budget_decides_where_an_idle_model_goes():
     roomy = manager()
     resident(roomy, "a")
     assert roomy.warm_room_for("a") is True
+
+
+def test_a_keep_alive_beyond_any_date_is_forever():
+    tm = manager()
+    resident(tm, "a")
+    for secs in (1e300, float("inf"), float("nan"), 1e10):
+        tm.set_keep_alive("a", secs)
+        assert tm.model_status("a")["keep_alive_secs"] == -1 and tm.expires_at("a") is None
+    tm.set_keep_alive("a", 9e9)
+    assert tm.expires_at("a") is not None

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from memory.tiers import MemoryTier
 from tests.conftest import PARIS_MESSAGES
 from tests.integration.conftest import post_json, read_in_background, read_sse, wait_until, with_limits
 
@@ -117,6 +118,10 @@ async def test_the_same_seed_gives_the_same_sampled_answer(api):
 
 
 async def test_a_larger_num_ctx_rebuilds_the_context(api, worker):
+    # From the model's configured context: an earlier test may have grown the session worker's
+    # to the trained maximum, where a larger num_ctx has no room to grow.
+    await asyncio.to_thread(worker.move, MODEL, MemoryTier.TIER2, None)
+    assert (await post_json(api, URL, {"model": MODEL, "messages": PARIS_MESSAGES, "max_tokens": 1})).status_code == 200
     larger = worker.models[MODEL].engine.context_len + 512
     request = {"model": MODEL, "messages": PARIS_MESSAGES, "max_tokens": 2, "num_ctx": larger}
     telemetry = (await post_json(api, URL, request)).json()["hypnos_telemetry"]

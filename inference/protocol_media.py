@@ -16,6 +16,17 @@ TRANSCRIPTION_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 MAX_LABEL_CHARS = 100
 
 
+def input_texts(value: str | list[str]) -> list[str]:
+    """An embedding request's `input` as a list, refused when it or one of its strings is empty."""
+    texts = [value] if isinstance(value, str) else value
+    if not texts:
+        raise InvalidRequest("input must not be empty", param="input")
+    for index, text in enumerate(texts):
+        if not text:
+            raise InvalidRequest(f"input[{index}] is an empty string", param="input")
+    return texts
+
+
 class EmbeddingRequest(_Wire):
     model: str = Field(min_length=1)
     input: str | list[str]
@@ -24,13 +35,7 @@ class EmbeddingRequest(_Wire):
     user: str | None = None
 
     def texts(self) -> list[str]:
-        texts = [self.input] if isinstance(self.input, str) else self.input
-        if not texts:
-            raise InvalidRequest("input must not be empty", param="input")
-        for index, text in enumerate(texts):
-            if not text:
-                raise InvalidRequest(f"input[{index}] is an empty string", param="input")
-        return texts
+        return input_texts(self.input)
 
 
 class EntityRequest(_Wire):

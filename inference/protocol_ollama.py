@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hypnos_site.errors import InvalidRequest
 from inference.protocol import Tool
+from inference.protocol_media import input_texts
 
 # Go's time.ParseDuration units, as Ollama reads a keep_alive string ("5m", "1h30m", "300ms").
 _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -142,13 +143,7 @@ class EmbedRequest(_Named):
     dimensions: int | None = Field(default=None, ge=1)
 
     def texts(self) -> list[str]:
-        texts = [self.input] if isinstance(self.input, str) else self.input
-        if not texts:
-            raise InvalidRequest("input must not be empty", param="input")
-        for index, text in enumerate(texts):
-            if not text:
-                raise InvalidRequest(f"input[{index}] is an empty string", param="input")
-        return texts
+        return input_texts(self.input)
 
 
 class EmbeddingsRequest(_Named):

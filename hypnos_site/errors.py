@@ -175,6 +175,28 @@ class ServerError(HypnosError):
     type = "server_error"
 
 
+class RequestTimeout(HypnosError):
+    """limits.request_timeout_secs passed before the answer was complete, as an error object
+    (Ollama's clients read one, not the plain-text 408 of /v1)."""
+
+    status = 408
+    type = "timeout"
+
+
+class InsufficientStorage(HypnosError):
+    """Not enough disk for a download (a pull's files beside what the disk holds)."""
+
+    status = 507
+    type = "insufficient_storage"
+
+
+class PullFailed(HypnosError):
+    """A download that failed (refused, missing, interrupted, not the size or hash listed)."""
+
+    status = 500
+    type = "pull_failed"
+
+
 STILL_STAGING = "Hypnos is still pre-staging its startup models; retry shortly (GET /ready reports when it is done)"
 
 

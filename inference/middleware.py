@@ -117,6 +117,8 @@ def _observe(route: str | None, request: HttpRequest, status: int, client_id: st
 def _access_line(request: HttpRequest, status: int, ms: float, client_id: str | None) -> None:
     """One line per request: its id, method and path, model, status, duration, tokens (from the
     call's record, on inference routes) and the client's id; JSON fields with log_format json."""
+    if not access_log.isEnabledFor(logging.INFO):
+        return
     record = getattr(request, "hypnos_call", None)
     fields: dict[str, object] = {
         "request_id": request.hypnos_request_id,  # type: ignore[attr-defined]

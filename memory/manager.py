@@ -148,13 +148,15 @@ class TierManager:
             self.entries[model_id] = entry
             return entry
 
-    def set_keep_alive(self, model_id: str, secs: float | None) -> None:
+    def set_keep_alive(self, model_id: str, secs: float | None) -> float | None:
         """How long the model may sit idle in tier 1 (None, negative, or beyond any date a status
-        can show: forever); counted from its last use."""
+        can show: forever); counted from its last use. The value kept (None: forever)."""
         forever = secs is None or not math.isfinite(secs) or secs < 0 or secs >= FOREVER_SECS
+        kept = None if forever else secs
         with self.lock:
             if model_id in self.entries:
-                self.entries[model_id].keep_alive_secs = None if forever else secs
+                self.entries[model_id].keep_alive_secs = kept
+        return kept
 
     def expired(self) -> list[str]:
         """The idle tier-1 models whose keep-alive has run out, the longest idle first."""

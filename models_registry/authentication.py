@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from asgiref.sync import sync_to_async
@@ -158,31 +159,29 @@ class KeyCheck:
 
 def check_authorization(header: str) -> KeyCheck:
     """Resolve an Authorization header (reads the database: call it from a sync context)."""
-    if not keys_required():
-        return KeyCheck(required=False)
-    token = bearer_token(header)
-    if token is None:
-        return KeyCheck(required=True, problem=MISSING)
-    principal = principal_for(token)
-    if principal is None:
-        return KeyCheck(required=True, problem=UNKNOWN)
-    return KeyCheck(required=True, principal=principal)
+    return _key_check(header, keys_required(), principal_for) or KeyCheck(required=True, problem=UNKNOWN)
 
 
 def check_without_database(header: str) -> KeyCheck | None:
     """check_authorization's answer when it needs no database read (no key anywhere, a missing
     key, a configured key), else None: the caller runs check_authorization on a thread. Safe on
     the event loop; this is what keeps a thread hop off most requests."""
-    server = settings.HYPNOS.server
     in_database = db_keys_present.known()
     if in_database is None:
         return None
-    if not (server.api_keys or server.keys or in_database):
+    server = settings.HYPNOS.server
+    return _key_check(header, bool(server.api_keys or server.keys or in_database), _config_principal)
+
+
+def _key_check(header: str, required: bool, find: Callable[[str], ApiPrincipal | None]) -> KeyCheck | None:
+    """The header's KeyCheck, `find` resolving its token to a principal; None when `find` knows
+    no such key."""
+    if not required:
         return KeyCheck(required=False)
     token = bearer_token(header)
     if token is None:
         return KeyCheck(required=True, problem=MISSING)
-    principal = _config_principal(token)
+    principal = find(token)
     return KeyCheck(required=True, principal=principal) if principal else None
 
 

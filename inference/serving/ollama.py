@@ -27,7 +27,7 @@ from django.conf import settings
 from django.http import HttpResponseBase, JsonResponse, StreamingHttpResponse
 
 from hypnos_site.config import ModelConfig
-from hypnos_site.errors import HypnosError, InvalidRequest, ModelBusy, PermissionDenied
+from hypnos_site.errors import HypnosError, InvalidRequest, ModelBusy, PermissionDenied, RequestTimeout
 from inference.client import Drained, InferenceCall, InferenceClient
 from inference.protocol import IMAGE_MARKER, THINKING_BUDGETS
 from inference.protocol_ollama import (
@@ -54,14 +54,6 @@ CHAT_MODALITIES = ("text_generation", "vision")
 SAMPLING = ("temperature", "top_p", "top_k", "repeat_penalty", "frequency_penalty", "presence_penalty")
 # How long an unload waits for the request that just ended to give its lease back.
 UNLOAD_WAIT_SECS = 5.0
-
-
-class RequestTimeout(HypnosError):
-    """limits.request_timeout_secs passed before the answer was complete (Ollama's clients read
-    the error object, not the plain-text 408 of /v1)."""
-
-    status = 408
-    type = "timeout"
 
 
 # -- what the routes share ---------------------------------------------------------------------

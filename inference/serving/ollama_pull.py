@@ -22,7 +22,7 @@ from typing import Any
 from django.conf import settings
 from django.http import HttpResponse, HttpResponseBase, JsonResponse
 
-from hypnos_site.errors import HypnosError, InvalidRequest, NotFound
+from hypnos_site.errors import HypnosError, InsufficientStorage, InvalidRequest, NotFound, PullFailed
 from inference.client import InferenceClient
 from inference.protocol_ollama import DeleteRequest, PullRequest
 from inference.serving import pool as pool_changes
@@ -43,18 +43,6 @@ from models_registry.downloads import (
 
 # Progress lines of one file at most this often (the last one always).
 PROGRESS_EVERY_SECS = 0.1
-
-
-class InsufficientStorage(HypnosError):
-    status = 507
-    type = "insufficient_storage"
-
-
-class PullFailed(HypnosError):
-    """A download that failed (refused, missing, interrupted, not the size or hash listed)."""
-
-    status = 500
-    type = "pull_failed"
 
 
 class _Stopped(Exception):

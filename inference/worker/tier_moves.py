@@ -128,18 +128,17 @@ class TierMoves:
 
     def keep_alive_secs(self, model: ModelConfig) -> float | None:
         """The model's idle unload time: its block's, else server.keep_alive_secs ("auto": 300 s
-        on a GPU, never on a simulated device); None: never."""
+        on a GPU, never on a simulated device); None or negative: never (TierManager.set_keep_alive)."""
         secs = model.keep_alive_secs if model.keep_alive_secs is not None else self.config.server.keep_alive_secs
         if secs == "auto":
             return None if self.tiers.device.simulated else AUTO_KEEP_ALIVE_SECS
-        return None if secs < 0 else float(secs)
+        return float(secs)  # negative: forever, as the ledger reads it
 
     def set_keep_alive(self, name: str, secs: float) -> float | None:
         """An Ollama request's keep_alive (seconds, negative: forever) for its model, from now."""
         runtime = self.table.resolve(name)
         self.engine(runtime)
-        self.tiers.set_keep_alive(runtime.config.id, secs)
-        return None if secs < 0 else secs
+        return self.tiers.set_keep_alive(runtime.config.id, secs)
 
     def unload_idle(self) -> None:
         """Idle unload: every second, demote the tier-1 models idle past their keep-alive, to

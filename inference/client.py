@@ -180,7 +180,7 @@ class Drained:
 
 def _note(record: CallRecord, event: Event) -> None:
     if isinstance(event, Delta):
-        record.deltas += 1
+        record.deltas += event.tokens
         record.output.add(event.text)
     elif isinstance(event, Reasoning):
         record.deltas += 1

@@ -322,11 +322,14 @@ class Delta:
     kind: Literal["delta"] = "delta"
     text: str
     logprobs: list[dict[str, Any]] | None = None
+    # The engine's deltas this one carries (the transports join them), so that a stream cut
+    # before its usage is charged what it generated.
+    tokens: int = 1
 
     def joined(self, later: Delta) -> Delta:
         """This delta and the one right after it as one (the transports batch deltas)."""
         logprobs = (self.logprobs or []) + (later.logprobs or [])
-        return Delta(text=self.text + later.text, logprobs=logprobs or None)
+        return Delta(text=self.text + later.text, logprobs=logprobs or None, tokens=self.tokens + later.tokens)
 
 
 @dataclass(slots=True, frozen=True, kw_only=True)

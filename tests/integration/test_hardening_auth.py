@@ -258,8 +258,9 @@ async def test_a_cancelled_stream_is_logged_with_what_it_generated(api):
         "warn",
     )
     assert record["error"] == "the client disconnected before the response was complete"
-    # The middleware read a chunk the reader may not have taken yet when it was cancelled.
-    assert delivered >= 4 and delivered <= record["tokens_out"] <= delivered + 1 < 60
+    # The middleware read a chunk the reader may not have taken yet when it was cancelled, and
+    # a chunk may carry several tokens (the transport joins deltas when the loop lags).
+    assert delivered >= 4 and delivered <= record["tokens_out"] < 60
 
 
 async def test_a_finished_call_is_logged_with_its_finish_reason(api):

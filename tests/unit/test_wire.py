@@ -186,7 +186,7 @@ def test_the_worker_sends_the_events_ready_together_as_one_message_deltas_joined
     batch = _take_ready(wire.Started(previous_tier="tier1_gpu_vram"), queue)
     assert batch == [
         wire.Started(previous_tier="tier1_gpu_vram"),
-        wire.Delta(text="lo!"),
+        wire.Delta(text="lo!", tokens=2),
         wire.Done(finish_reason="stop"),
     ]
     assert queue.qsize() == 1  # nothing is taken past the end

@@ -204,6 +204,10 @@ class HardwareConfig(_Strict):
     kv_park_max_bytes: int = Field(default=4 << 30, ge=0)
     # Engine threads; unset uses every core.
     n_threads: int | None = Field(default=None, ge=1)
+    # At most this many models in tier 1 at once (LRU within priority makes room); unset: the
+    # memory budget alone decides. Lemonade's POST /internal/set max_loaded_models changes it
+    # until the worker restarts.
+    max_resident_models: int | None = Field(default=None, ge=1)
 
 
 class ArchConfig(_Strict):

@@ -14,7 +14,6 @@ Three sources, one page:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -39,6 +38,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
+from inference.deadline import within
 from models_registry.shared_state import LoopRedis, is_distributed, shared_redis, state_key
 
 log = logging.getLogger(__name__)
@@ -403,7 +403,7 @@ async def worker_status() -> dict[str, Any] | None:
     from inference.runtime import get_client
 
     try:
-        return await asyncio.wait_for(get_client().control("memory_status"), WORKER_STATUS_TIMEOUT_SECS)
+        return await within(get_client().control("memory_status"), WORKER_STATUS_TIMEOUT_SECS)
     except Exception as exc:  # noqa: BLE001 - a scrape must answer whatever the worker does
         log.warning("metrics: the worker's memory status is unavailable: %s", exc)
         return None

@@ -38,6 +38,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from hypnos_site.errors import EngineTimeout, HypnosError, InvalidRequest, ModelNotAvailable, ServerError
+from inference.deadline import within
 from inference.entities import Span
 from inference.transcripts import Transcript
 from inference.wire import (
@@ -113,7 +114,7 @@ class InferenceCall(ABC):
         try:
             while not self.finished:
                 try:
-                    event = await asyncio.wait_for(self.next_event(), self.stall_timeout)
+                    event = await within(self.next_event(), self.stall_timeout)
                 except TimeoutError:
                     await self.abort()
                     raise EngineTimeout(STALLED.format(secs=self.stall_timeout)) from None
@@ -248,7 +249,7 @@ class InferenceClient:
         call = await self.transport.submit(request)
         timeout = request_timeout_secs()
         try:
-            event = await asyncio.wait_for(call.next_event(), timeout)
+            event = await within(call.next_event(), timeout)
         except TimeoutError:
             raise EngineTimeout(
                 f"The worker's {op} took longer than limits.request_timeout_secs ({timeout:g} s)."
@@ -265,7 +266,7 @@ class InferenceClient:
         """The worker's status, or None when no worker answers (then a request made next in the
         same task fails at once with the same 503)."""
         try:
-            return await asyncio.wait_for(self.control("status"), STATUS_TIMEOUT_SECS)
+            return await within(self.control("status"), STATUS_TIMEOUT_SECS)
         except (TimeoutError, ModelNotAvailable) as exc:
             message = exc.message if isinstance(exc, ModelNotAvailable) else NO_WORKER.format(secs=STATUS_TIMEOUT_SECS)
             _no_worker_seen.set((message, time.monotonic()))
@@ -316,6 +317,9 @@ class InProcessTransport(Transport):
                 queue.put_nowait(event)
 
         def sink(event: Event) -> None:
+            if loop.is_closed():  # nobody reads this any more (a hand-over may never have run)
+                self.worker.abort(request_id)
+                return
             with lock:
                 if pending and isinstance(event, Delta) and isinstance(pending[-1], Delta):
                     pending[-1] = pending[-1].joined(event)
@@ -386,7 +390,7 @@ class _ChannelCall(InferenceCall):
             accepted = self.worker_channel is not None
             wait = REPLY_DEADLINE_SECS if accepted else self.ack_timeout
             try:
-                message = await asyncio.wait_for(_guarded(self.layer.receive(self.reply)), wait)
+                message = await within(_guarded(self.layer.receive(self.reply)), wait)
             except TimeoutError:
                 raise ModelNotAvailable((WORKER_LOST if accepted else NO_WORKER).format(secs=wait)) from None
             if message.get("seq") != self.expected_seq:
@@ -404,7 +408,7 @@ class _ChannelCall(InferenceCall):
         self.finished = True
         abort = {"type": "inference.abort", "request_id": self.request_id}
         try:
-            await asyncio.wait_for(_guarded(self.layer.send(self.worker_channel, abort)), REPLY_DEADLINE_SECS)
+            await within(_guarded(self.layer.send(self.worker_channel, abort)), REPLY_DEADLINE_SECS)
         except (ModelNotAvailable, TimeoutError) as exc:
             # The worker stops the request itself once its replies cannot be sent.
             log.warning("request %s: the abort did not reach the worker: %s", self.request_id, exc)

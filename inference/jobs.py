@@ -32,6 +32,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from hypnos_site.errors import Cancelled, HypnosError, JobLost, ModelNotAvailable, ServerError
+from inference.deadline import within
 from inference.wire import Done, Error, Heartbeat, decode_event, encode_event
 from logs.record import CallRecord
 
@@ -114,7 +115,7 @@ class JobFeed:
         while True:
             wait = JOB_SILENCE_SECS if self.started else settings.HYPNOS.server.job_pickup_timeout_secs
             try:
-                message = await asyncio.wait_for(self.layer.receive(self.channel), wait)
+                message = await within(self.layer.receive(self.channel), wait)
             except TimeoutError:
                 text = JOB_LOST if self.started else NO_JOB_WORKER
                 raise JobLost(text.format(secs=wait)) from None

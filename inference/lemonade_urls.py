@@ -9,4 +9,5 @@ urlpatterns = [
     path("load", views.LemonadeLoadView.as_view()),
     path("unload", views.LemonadeUnloadView.as_view()),
     path("stats", views.LemonadeStatsView.as_view()),
+    path("pull", views.LemonadePullView.as_view()),
 ]

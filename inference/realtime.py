@@ -28,7 +28,7 @@ from urllib.parse import parse_qs
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
-from django.urls import path
+from django.urls import path, re_path
 
 from hypnos_site.errors import HypnosError, ServerError
 from inference.protocol_media import TranscriptionRequest
@@ -414,7 +414,19 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
             )
 
 
+class UnknownPathConsumer(AsyncWebsocketConsumer):
+    """Any other WebSocket path: the handshake is refused (daphne answers it 403), where an
+    unrouted path used to raise inside the router and end as a 500."""
+
+    async def connect(self) -> None:
+        log.info("WebSocket refused: no route for %s", self.scope.get("path"))
+        await self.close()
+
+
 websocket_urlpatterns = [
     path("v1/realtime", RealtimeConsumer.as_asgi()),
     path("api/v1/realtime", RealtimeConsumer.as_asgi()),
+    # Lemonade's legacy path, on its websocket_port (which /api/v1/health gives as this port).
+    path("realtime", RealtimeConsumer.as_asgi()),
+    re_path(r"", UnknownPathConsumer.as_asgi()),
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from asgiref.sync import sync_to_async
-from django.http import HttpRequest, JsonResponse
+from django.http import HttpRequest, HttpResponseBase, JsonResponse
 from rest_framework.parsers import BaseParser
 from rest_framework.request import Request
 
@@ -19,6 +19,8 @@ from inference.protocol import (
     CompletionRequest,
     InternalSetRequest,
     KvParkRequest,
+    LemonadeLoadRequest,
+    LemonadePullRequest,
     MemoryTierRequest,
     MoeOffloadRequest,
     ResponsesRequest,
@@ -243,7 +245,7 @@ class LemonadeLoadView(APIView):
     permission_classes = [IsAdminKey]
 
     async def post(self, request: Request) -> JsonResponse:
-        return JsonResponse(await lemonade.load(get_client(), _object(request.data)))
+        return JsonResponse(await lemonade.load(get_client(), parse_body(LemonadeLoadRequest, request.data)))
 
 
 class LemonadeUnloadView(APIView):
@@ -251,6 +253,15 @@ class LemonadeUnloadView(APIView):
 
     async def post(self, request: Request) -> JsonResponse:
         return JsonResponse(await lemonade.unload(get_client(), _object(request.data)))
+
+
+class LemonadePullView(APIView):
+    """Writes models_dir and changes the pool: admin keys only, as POST /v1/models."""
+
+    permission_classes = [IsAdminKey]
+
+    async def post(self, request: Request) -> HttpResponseBase:
+        return await lemonade.pull(get_client(), parse_body(LemonadePullRequest, request.data))
 
 
 class LemonadeStatsView(APIView):

@@ -18,6 +18,31 @@ SAMPLING = tuple(SamplingDefaults.model_fields)
 OPTION_KEYS = KNOBS + SAMPLING
 
 
+# Lemonade's names for the knobs (its clients send them); a ctx_size of -1 asks for the default.
+ALIASES = {"ctx_size": "context_len"}
+
+
+def translated(changes: dict[str, Any]) -> dict[str, Any]:
+    """`changes` with Lemonade's names as Hypnos's; both names for one knob must agree."""
+    out = dict(changes)
+    for alias, key in ALIASES.items():
+        if alias not in out:
+            continue
+        value = out.pop(alias)
+        if value == -1:
+            value = None
+        if key in out and out[key] != value:
+            raise PoolCheckFailed([f"{alias} ({value}) and {key} ({out[key]}) disagree; send one of them"])
+        out[key] = value
+    return out
+
+
+def lemonade_view(options: dict[str, Any]) -> dict[str, Any]:
+    """Saved options as Lemonade's recipe_options: Hypnos's names plus its own (ctx_size)."""
+    named = {alias: options[key] for alias, key in ALIASES.items() if key in options}
+    return options | named
+
+
 def defaults_layer() -> dict[str, Any]:
     knobs = {key: ModelConfig.model_fields[key].default for key in KNOBS}
     return knobs | dict(ENGINE_SAMPLING_DEFAULTS)
@@ -31,6 +56,7 @@ def config_layer(model: ModelConfig) -> dict[str, Any]:
 
 def merge(saved: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     """`changes` over `saved`: a null removes its key; an unknown key is refused."""
+    changes = translated(changes)
     unknown = sorted(set(changes) - set(OPTION_KEYS))
     if unknown:
         raise PoolCheckFailed([f"unknown option {key!r} (options: {', '.join(OPTION_KEYS)})" for key in unknown])
@@ -54,12 +80,15 @@ def apply(model: ModelConfig, saved: dict[str, Any]) -> ModelConfig:
 def layers(model: ModelConfig, saved: dict[str, Any]) -> dict[str, Any]:
     """The answer of GET /v1/models/{id}/options."""
     config = config_layer(model)
+    effective = defaults_layer() | config | saved
     return {
         "model": model.id,
         "defaults": defaults_layer(),
         "config": config,
         "saved": saved,
-        "effective": defaults_layer() | config | saved,
+        "effective": effective,
+        # Lemonade's: the context a load now would allocate.
+        "resolved_ctx_size": effective["context_len"],
     }
 
 

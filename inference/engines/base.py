@@ -301,17 +301,26 @@ class Engine(ABC):
     # Media modalities (inference/worker/media.py drives them; inference/engines/audio.py
     # decodes, resamples and encodes around them).
 
-    def embed(self, texts: list[str], cancel: threading.Event) -> tuple[list[Any], int]:
-        """One normalized float32 vector per text, each evaluated alone (so a batch gives exactly
-        the vectors of single calls), and the prompt tokens they took."""
+    def embed(self, inputs: list[str] | list[list[int]], cancel: threading.Event) -> tuple[list[Any], int]:
+        """One normalized float32 vector per input, a text or an array of the model's token ids
+        (taken as given), each evaluated alone (so a batch gives exactly the vectors of single
+        calls), and the prompt tokens they took. An id outside the vocabulary is InvalidRequest,
+        an input longer than the context ContextLengthExceeded."""
         raise NotImplementedError(f"{type(self).__name__} does not serve embeddings")
 
     def transcribe(self, samples: Any, options: TranscribeOptions, cancel: threading.Event) -> Transcript:
         """Mono float32 samples at 16 kHz -> the text, its language and its timed segments."""
         raise NotImplementedError(f"{type(self).__name__} does not serve speech-to-text")
 
-    def synthesize(self, text: str, voice: str, speed: float) -> tuple[Any, int]:
-        """One phrase -> mono float32 samples in [-1, 1] and their sample rate."""
+    def speech_language(self, voice: str, language: str | None) -> str:
+        """The language `voice` speaks a request's text in: `language` (ISO 639-1, or a tag such
+        as en-GB) when the voice can speak it, its own without one; InvalidRequest otherwise.
+        Asked before the request starts, so that a refusal is a 400, streamed or not."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve text-to-speech")
+
+    def synthesize(self, text: str, voice: str, speed: float, language: str) -> tuple[Any, int]:
+        """One phrase in `language` (what speech_language resolved) -> mono float32 samples in
+        [-1, 1] and their sample rate."""
         raise NotImplementedError(f"{type(self).__name__} does not serve text-to-speech")
 
     # Images (inference/worker/images.py drives them): RGB uint8 arrays [H, W, 3] in and out.

@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime
 
 from hypnos_site.config import ModelConfig
-from hypnos_site.errors import ModelNotAvailable
+from hypnos_site.errors import InvalidRequest, ModelNotAvailable
 from inference.engines.base import Engine, LoadPhases
 from inference.engines.onnx_session import providers
 from memory.planner import Footprint, footprint_from_files
@@ -42,13 +42,45 @@ KOKORO_VOICES = {
     "verse": "am_michael",
 }
 KOKORO_DEFAULT_VOICE = "af_heart"
+# Kokoro's phonemizer languages by ISO 639-1 code, and each voice's own by its id's first letter
+# (af_heart: American English, bf_emma: British English, jf_alpha: Japanese, ...).
+KOKORO_LANGUAGES = {
+    "en": "en-us",
+    "es": "es",
+    "fr": "fr-fr",
+    "hi": "hi",
+    "it": "it",
+    "ja": "ja",
+    "pt": "pt-br",
+    "zh": "cmn",
+}
+KOKORO_VOICE_LANGUAGES = {
+    "a": "en-us",
+    "b": "en-gb",
+    "e": "es",
+    "f": "fr-fr",
+    "h": "hi",
+    "i": "it",
+    "j": "ja",
+    "p": "pt-br",
+    "z": "cmn",
+}
+
+
+def primary_subtag(language: str) -> str:
+    """en-GB, en_US, EN -> en."""
+    return language.replace("_", "-").split("-")[0].lower()
 
 
 class Voice(ABC):
     """One loaded voice family."""
 
     @abstractmethod
-    def synthesize(self, text: str, voice: str, speed: float) -> tuple[np.ndarray, int]: ...
+    def language(self, voice: str, requested: str | None) -> str:
+        """What Engine.speech_language answers for this family."""
+
+    @abstractmethod
+    def synthesize(self, text: str, voice: str, speed: float, language: str) -> tuple[np.ndarray, int]: ...
 
 
 class PiperFamily(Voice):
@@ -59,8 +91,21 @@ class PiperFamily(Voice):
         session = onnxruntime.InferenceSession(graph, sess_options=onnxruntime.SessionOptions(), providers=providers())
         self.voice = PiperVoice(config=PiperConfig.from_dict(config), session=session)
         self.speakers: dict[str, int] = config.get("speaker_id_map") or {}
+        # A Piper voice speaks one language, named in its config (en_US); older configs name
+        # only their espeak voice (en-us).
+        declared = config.get("language", {}).get("code") or config.get("espeak", {}).get("voice") or "en"
+        self.own_language: str = declared
 
-    def synthesize(self, text: str, voice: str, speed: float) -> tuple[np.ndarray, int]:
+    def language(self, voice: str, requested: str | None) -> str:
+        if requested is not None and primary_subtag(requested) != primary_subtag(self.own_language):
+            raise InvalidRequest(
+                f"This Piper voice speaks {self.own_language} only, not {requested!r}; "
+                "leave language out or use a voice of that language.",
+                param="language",
+            )
+        return self.own_language
+
+    def synthesize(self, text: str, voice: str, speed: float, language: str) -> tuple[np.ndarray, int]:
         from piper.config import SynthesisConfig
 
         config = self.voice.config
@@ -84,10 +129,23 @@ class KokoroFamily(Voice):
         session = onnxruntime.InferenceSession(graph, providers=providers())
         self.kokoro = Kokoro.from_session(session, str(voices))
 
-    def synthesize(self, text: str, voice: str, speed: float) -> tuple[np.ndarray, int]:
-        known = set(self.kokoro.get_voices())
-        name = voice if voice in known else KOKORO_VOICES.get(voice, KOKORO_DEFAULT_VOICE)
-        samples, rate = self.kokoro.create(text, voice=name, speed=speed, lang="en-us")
+    def _voice_name(self, voice: str) -> str:
+        return voice if voice in set(self.kokoro.get_voices()) else KOKORO_VOICES.get(voice, KOKORO_DEFAULT_VOICE)
+
+    def language(self, voice: str, requested: str | None) -> str:
+        own = KOKORO_VOICE_LANGUAGES.get(self._voice_name(voice)[:1], "en-us")
+        if requested is None:
+            return own
+        code = primary_subtag(requested)
+        if code not in KOKORO_LANGUAGES:
+            raise InvalidRequest(
+                f"Kokoro speaks {', '.join(sorted(KOKORO_LANGUAGES))}; not {requested!r}.", param="language"
+            )
+        # English keeps the voice's accent (a British voice stays en-gb).
+        return own if primary_subtag(own) == code else KOKORO_LANGUAGES[code]
+
+    def synthesize(self, text: str, voice: str, speed: float, language: str) -> tuple[np.ndarray, int]:
+        samples, rate = self.kokoro.create(text, voice=self._voice_name(voice), speed=speed, lang=language)
         return np.asarray(samples, dtype=np.float32), rate
 
 
@@ -165,6 +223,10 @@ class OnnxSpeechEngine(Engine):
         self.unload()
         self._release(self.files)
 
-    def synthesize(self, text: str, voice: str, speed: float) -> tuple[np.ndarray, int]:
+    def speech_language(self, voice: str, language: str | None) -> str:
+        assert self._voice is not None, "speech_language on an unloaded engine"
+        return self._voice.language(voice, language)
+
+    def synthesize(self, text: str, voice: str, speed: float, language: str) -> tuple[np.ndarray, int]:
         assert self._voice is not None, "synthesize on an unloaded engine"
-        return self._voice.synthesize(text, voice, speed)
+        return self._voice.synthesize(text, voice, speed, language)

@@ -10,7 +10,6 @@ failure after it is one `error` event.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -22,6 +21,7 @@ from django.http import HttpResponseBase, JsonResponse
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import HypnosError, InvalidRequest
 from inference.client import Drained, InferenceCall, InferenceClient
+from inference.deadline import within
 from inference.protocol import IMAGE_MARKER
 from inference.protocol_anthropic import (
     ImageBlockParam,
@@ -300,11 +300,11 @@ async def create_message(client: InferenceClient, body: MessageCreateParams, ctx
     timeout = settings.HYPNOS.limits.request_timeout_secs
     maker = _MessageMaker(body.model)
     try:
-        work = await asyncio.wait_for(message_work(body, model), timeout)
-        call, started = await asyncio.wait_for(start_call(client, model, work, ctx), timeout)
+        work = await within(message_work(body, model), timeout)
+        call, started = await within(start_call(client, model, work, ctx), timeout)
         if body.stream:
             return with_wait_estimate(sse_response(_message_events(call, started, maker, ctx.record)), call)
-        drained = await asyncio.wait_for(call.drain(), timeout)
+        drained = await within(call.drain(), timeout)
     except TimeoutError:
         return request_timed_out(timeout)
     record_stats(drained.done)
@@ -319,9 +319,9 @@ async def count_tokens(
     model = await resolve_model(client, body.model, ctx)
     timeout = settings.HYPNOS.limits.request_timeout_secs
     try:
-        work = await asyncio.wait_for(count_work(body, model), timeout)
-        call, _ = await asyncio.wait_for(start_call(client, model, work, ctx), timeout)
-        drained = await asyncio.wait_for(call.drain(), timeout)
+        work = await within(count_work(body, model), timeout)
+        call, _ = await within(start_call(client, model, work, ctx), timeout)
+        drained = await within(call.drain(), timeout)
     except TimeoutError:
         return request_timed_out(timeout)
     usage = drained.done.usage or Usage()

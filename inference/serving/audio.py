@@ -20,6 +20,7 @@ from django.http import HttpResponse, HttpResponseBase, JsonResponse, StreamingH
 
 from hypnos_site.errors import HypnosError, InvalidRequest
 from inference.client import InferenceCall, InferenceClient
+from inference.deadline import within
 from inference.protocol import parse_body
 from inference.protocol_media import SpeechRequest, TranscriptionRequest
 from inference.serving.context import (
@@ -30,6 +31,7 @@ from inference.serving.context import (
     start_call,
     with_wait_estimate,
 )
+from inference.serving.render import error_fields, sse_data
 from inference.transcripts import Segment, Transcript
 from inference.wire import AudioChunk, Done, SpeechMade, SpeechWork, TranscribeWork
 
@@ -166,7 +168,7 @@ async def create_transcription(
 ) -> HttpResponseBase:
     timeout = settings.HYPNOS.limits.request_timeout_secs
     try:
-        call, done = await asyncio.wait_for(transcribe(client, body, audio, ctx), timeout)
+        call, done = await within(transcribe(client, body, audio, ctx), timeout)
     except TimeoutError:
         return request_timed_out(timeout)
     result, telemetry = done.result, done.telemetry
@@ -244,25 +246,33 @@ async def create_speech(client: InferenceClient, body: SpeechRequest, ctx: Reque
     check_prompt_chars(len(body.input), "input")
     if not body.input.strip():
         raise InvalidRequest("input holds no text to speak", param="input")
+    # stream: true and OpenAI's stream_format "audio" stream the bytes; "sse" streams events.
+    streamed = body.stream or body.stream_format is not None
     work = SpeechWork(
         input=body.input,
         voice=body.voice,
         speed=float(body.speed),
         response_format=body.response_format,
-        stream=body.stream,
+        stream=streamed,
+        language=body.language,
     )
     timeout = settings.HYPNOS.limits.request_timeout_secs
     try:
-        call, started = await asyncio.wait_for(start_call(client, model, work, ctx), timeout)
+        call, started = await within(start_call(client, model, work, ctx), timeout)
         content_type = CONTENT_TYPES[body.response_format]
-        if body.stream:
-            response: HttpResponseBase = StreamingHttpResponse(_audio_stream(call), content_type=content_type)
+        if streamed:
+            if body.stream_format == "sse":
+                response: HttpResponseBase = StreamingHttpResponse(
+                    _audio_events(call), content_type="text/event-stream"
+                )
+            else:
+                response = StreamingHttpResponse(_audio_stream(call), content_type=content_type)
             response["Cache-Control"] = "no-cache"
             response["x-hypnos-previous-tier"] = started.previous_tier
             response["x-hypnos-gpu-layers"] = str(started.gpu_layers)
             response["x-hypnos-switch-ms"] = str(started.tier_switch_ms)
             return with_wait_estimate(response, call)
-        drained = await asyncio.wait_for(call.drain(), timeout)
+        drained = await within(call.drain(), timeout)
     except TimeoutError:
         return request_timed_out(timeout)
     response = HttpResponse(b"".join(drained.audio), content_type=content_type)
@@ -285,6 +295,23 @@ def telemetry_headers(response: HttpResponse, telemetry: dict[str, Any]) -> None
         response["x-hypnos-audio-secs"] = str(engine["audio_secs"])
     if "rtf" in engine:
         response["x-hypnos-rtf"] = str(engine["rtf"])
+
+
+async def _audio_events(call: InferenceCall) -> AsyncIterator[str]:
+    """OpenAI's speech SSE: speech.audio.delta events (base64 audio, in response_format as the
+    byte stream would carry it), then speech.audio.done; a failure mid-stream is an error event."""
+    async with call:
+        try:
+            async for event in call.events():
+                if isinstance(event, AudioChunk):
+                    yield sse_data({"type": "speech.audio.delta", "audio": base64.b64encode(event.data).decode()})
+                elif isinstance(event, Done):
+                    made = event.result
+                    assert isinstance(made, SpeechMade)
+                    done = {"type": "speech.audio.done", "audio_secs": made.audio_secs, "samples": made.samples}
+                    yield sse_data(done | {"hypnos_telemetry": event.telemetry})
+        except HypnosError as exc:
+            yield sse_data({"type": "error", "error": error_fields(exc)})
 
 
 async def _audio_stream(call: InferenceCall) -> AsyncIterator[bytes]:

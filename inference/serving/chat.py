@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -17,6 +16,7 @@ from pydantic import BaseModel
 from hypnos_site.config import ENGINE_SAMPLING_DEFAULTS, ModelConfig
 from hypnos_site.errors import HypnosError, InvalidRequest
 from inference.client import InferenceCall, InferenceClient
+from inference.deadline import within
 from inference.grammar_limits import check_schema, check_tools
 from inference.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
 from inference.serving import image_input, voice
@@ -143,18 +143,16 @@ async def create_chat_completion(
     completion_id = "chatcmpl-" + uuid.uuid4().hex
     try:
         # input_audio on a chat model that hears through a speech_to_text model: transcribe first.
-        body, stages = await asyncio.wait_for(voice.transcribe_audio_parts(client, body, model, ctx), timeout)
+        body, stages = await within(voice.transcribe_audio_parts(client, body, model, ctx), timeout)
         work = chat_work(body, model)
-        work = work.model_copy(update={"images": await asyncio.wait_for(load_images(body), timeout)})
-        call, _started = await asyncio.wait_for(start_call(client, model, work, ctx), timeout)
+        work = work.model_copy(update={"images": await within(load_images(body), timeout)})
+        call, _started = await within(start_call(client, model, work, ctx), timeout)
         call = voice.reporting(call, stages, model.id)
         ctx.record.stages = stages
         if body.stream:
             chunks = _chat_sse(call, _ChunkMaker(completion_id, body.model), body.logprobs, ctx.record)
             return with_wait_estimate(sse_response(chunks), call)
-        return with_wait_estimate(
-            JsonResponse(await asyncio.wait_for(_chat_json(call, completion_id, body), timeout)), call
-        )
+        return with_wait_estimate(JsonResponse(await within(_chat_json(call, completion_id, body), timeout)), call)
     except TimeoutError:
         return request_timed_out(timeout)
 
@@ -175,13 +173,20 @@ def finish_reason(reason: str | None) -> str:
     return reason if reason in ("length", "tool_calls") else "stop"
 
 
-# The figures of the last finished request, for Lemonade's GET /api/v1/stats.
-last_stats: dict[str, Any] = {}
+# The figures of the last finished request, for Lemonade's GET /api/v1/stats (this web
+# process's; zeros before its first), and the prompt tokens served from the cache since it started.
+last_stats: dict[str, Any] = {
+    "input_tokens": 0,
+    "output_tokens": 0,
+    "time_to_first_token": 0.0,
+    "tokens_per_second": 0.0,
+    "cache_tokens": 0,
+    "cache_tokens_total": 0,
+}
 
 
 def record_stats(done: Done) -> None:
     usage, engine = done.usage or Usage(), done.telemetry.get("engine") or {}
-    last_stats.clear()
     last_stats.update(
         {
             "input_tokens": usage.prompt_tokens,
@@ -189,6 +194,7 @@ def record_stats(done: Done) -> None:
             "time_to_first_token": round(engine.get("ttft_ms", 0.0) / 1000, 4),
             "tokens_per_second": engine.get("decode_tokens_per_s", 0.0),
             "cache_tokens": usage.cached_tokens,
+            "cache_tokens_total": last_stats["cache_tokens_total"] + usage.cached_tokens,
         }
     )
 

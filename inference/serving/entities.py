@@ -4,12 +4,11 @@ indexes), so `input[start:end]` is each entity's text."""
 
 from __future__ import annotations
 
-import asyncio
-
 from django.conf import settings
 from django.http import HttpResponseBase, JsonResponse
 
 from inference.client import InferenceClient
+from inference.deadline import within
 from inference.protocol_media import EntityRequest
 from inference.serving.chat import check_prompt_chars, request_timed_out
 from inference.serving.context import RequestContext, resolve_model, start_call, with_wait_estimate
@@ -26,8 +25,8 @@ async def extract_entities(client: InferenceClient, body: EntityRequest, ctx: Re
     work = EntityWork(input=texts, labels=labels, threshold=body.threshold, flat=body.flat)
     timeout = limits.request_timeout_secs
     try:
-        call, _started = await asyncio.wait_for(start_call(client, model, work, ctx), timeout)
-        drained = await asyncio.wait_for(call.drain(), timeout)
+        call, _started = await within(start_call(client, model, work, ctx), timeout)
+        drained = await within(call.drain(), timeout)
     except TimeoutError:
         return request_timed_out(timeout)
     data = [

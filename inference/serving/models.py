@@ -7,7 +7,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.db import DatabaseError
 
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import NotFound
@@ -92,10 +94,18 @@ async def list_models(client: InferenceClient) -> dict[str, Any]:
 
 
 async def get_model(client: InferenceClient, name: str) -> dict[str, Any]:
+    """One model, with Lemonade's recipe_options (its saved options, under both names)."""
+    from models_registry.options import lemonade_view
+    from models_registry.overlay import saved_options
+
     states = await _states(client)
     model = pool.find(name)
     state = states.get(model.id, {})
-    return {**_model_object(model, state), "enabled": _enabled(model, state)}
+    try:
+        saved = await sync_to_async(saved_options)(model.id)
+    except DatabaseError:  # the model is still described; only its saved options are unknown
+        saved = {}
+    return {**_model_object(model, state), "enabled": _enabled(model, state), "recipe_options": lemonade_view(saved)}
 
 
 async def model_files(client: InferenceClient, name: str, *, admin: bool) -> dict[str, Any]:

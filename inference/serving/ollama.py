@@ -29,6 +29,7 @@ from django.http import HttpResponseBase, JsonResponse, StreamingHttpResponse
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import HypnosError, InvalidRequest, ModelBusy, PermissionDenied, RequestTimeout
 from inference.client import Drained, InferenceCall, InferenceClient
+from inference.deadline import within
 from inference.protocol import IMAGE_MARKER, THINKING_BUDGETS
 from inference.protocol_ollama import (
     ChatRequest,
@@ -395,10 +396,10 @@ async def run(
     as NDJSON; `after` runs once the answer is complete (the unload of keep_alive 0)."""
     timeout = settings.HYPNOS.limits.request_timeout_secs
     try:
-        call, _ = await asyncio.wait_for(start_call(client, model, work, ctx), timeout)
+        call, _ = await within(start_call(client, model, work, ctx), timeout)
         if stream:
             return with_wait_estimate(ndjson_response(_lines(call, shape, started, ctx.record, after)), call)
-        drained = await asyncio.wait_for(call.drain(), timeout)
+        drained = await within(call.drain(), timeout)
     except TimeoutError:
         raise RequestTimeout(f"request_timeout_secs ({timeout:g} s) elapsed") from None
     record_stats(drained.done)
@@ -448,8 +449,8 @@ async def _vectors(client: InferenceClient, model: ModelConfig, texts: list[str]
     check_prompt_chars(sum(len(t) for t in texts), "input")
     timeout = settings.HYPNOS.limits.request_timeout_secs
     try:
-        call, _ = await asyncio.wait_for(start_call(client, model, EmbedWork(input=texts), ctx), timeout)
-        return await asyncio.wait_for(call.drain(), timeout)
+        call, _ = await within(start_call(client, model, EmbedWork(input=texts), ctx), timeout)
+        return await within(call.drain(), timeout)
     except TimeoutError:
         raise RequestTimeout(f"request_timeout_secs ({timeout:g} s) elapsed") from None
 

@@ -76,7 +76,7 @@ def catalog_variant(catalog: Catalog, name: str) -> tuple[CatalogEntry, CatalogV
     return entry, variant
 
 
-def _planned(name: str) -> tuple[CatalogEntry, CatalogVariant, list[PlannedFile]]:
+def plan_pull(name: str) -> tuple[CatalogEntry, CatalogVariant, list[PlannedFile]]:
     entry, variant = catalog_variant(_catalog(), name)
     try:
         planned = plan(entry, variant, settings.HYPNOS.models_dir)
@@ -145,7 +145,7 @@ class _Download:
             self.stop.set()
 
 
-async def _pull_lines(
+async def pull_lines(
     client: InferenceClient, planned: list[PlannedFile], spec: str
 ) -> AsyncGenerator[dict[str, Any], None]:
     yield {"status": "pulling manifest"}
@@ -168,8 +168,8 @@ async def _pull_lines(
 async def pull(client: InferenceClient, body: PullRequest) -> HttpResponseBase:
     """POST /api/pull: the checks (a catalog name, the room on disk) before any byte; then the
     progress lines, or with `stream: false` only the last."""
-    entry, variant, planned = await asyncio.to_thread(_planned, body.model)
-    lines = _pull_lines(client, planned, f"{entry.id}:{variant.quant}")
+    entry, variant, planned = await asyncio.to_thread(plan_pull, body.model)
+    lines = pull_lines(client, planned, f"{entry.id}:{variant.quant}")
     if not body.stream:
         answered = [payload async for payload in lines]
         return JsonResponse(answered[-1])

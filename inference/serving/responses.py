@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -15,6 +14,7 @@ from django.http import HttpResponseBase, JsonResponse
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import HypnosError, InvalidRequest
 from inference.client import InferenceCall, InferenceClient
+from inference.deadline import within
 from inference.protocol import ResponsesRequest
 from inference.serving.chat import (
     capped_max_tokens,
@@ -192,10 +192,10 @@ async def create_response(client: InferenceClient, body: ResponsesRequest, ctx: 
     timeout = settings.HYPNOS.limits.request_timeout_secs
     builder = _Builder(body)
     try:
-        call, _ = await asyncio.wait_for(start_call(client, model, work, ctx), timeout)
+        call, _ = await within(start_call(client, model, work, ctx), timeout)
         if body.stream:
             return with_wait_estimate(sse_response(_response_events(call, builder, ctx.record)), call)
-        drained = await asyncio.wait_for(call.drain(), timeout)
+        drained = await within(call.drain(), timeout)
     except TimeoutError:
         return request_timed_out(timeout)
     record_stats(drained.done)

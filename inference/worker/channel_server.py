@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from hypnos_site.errors import InvalidRequest
 from inference.client import REQUEST_CHANNEL
+from inference.deadline import within
 from inference.wire import TERMINAL, Accepted, Delta, Error, Heartbeat, decode_request, encode_event
 from inference.worker.core import Worker
 
@@ -113,7 +114,7 @@ class ChannelServer:
         streaming = False
         while True:
             try:
-                first = await asyncio.wait_for(queue.get(), HEARTBEAT_SECS)
+                first = await within(queue.get(), HEARTBEAT_SECS)
             except TimeoutError:
                 await send([Heartbeat()])
                 continue

@@ -101,6 +101,7 @@ class Worker:
         self.config = config
         self.device = probe_device(hardware_limits(config))
         self.tiers = TierManager(self.device, hardware_limits(config))
+        self.tiers.set_max_resident(config.hardware.max_resident_models)
         self.kv_parking = KvParking(
             config.hardware.kv_park, config.hardware.kv_park_max_bytes, config.server.kv_idle_timeout_secs
         )

@@ -77,6 +77,10 @@ def serve_media(
     spec's telemetry (§5); intermediate events (vectors, audio) go to `sink` as they come."""
     switch = moves.ensure_tier1(runtime, runtime.config.context_len)
     placement = moves.tiers.placement(runtime.config.id)
+    if isinstance(work.payload, SpeechWork):
+        # Refused before `started` when the voice cannot speak it (a 400, streamed or not).
+        language = engine.speech_language(work.payload.voice, work.payload.language)
+        work = MediaWork(work.op, work.payload.model_copy(update={"language": language}))
     sink(
         Started(
             previous_tier=str(switch.previous_tier), gpu_layers=placement.gpu_layers, tier_switch_ms=switch.switch_ms
@@ -168,7 +172,8 @@ def _speech(
     for index, phrase in enumerate(audio.phrases(payload.input)):
         if cancel.is_set():
             raise Cancelled("the request was cancelled")
-        samples, rate = engine.synthesize(phrase, payload.voice, payload.speed)
+        assert payload.language is not None  # serve_media resolved it
+        samples, rate = engine.synthesize(phrase, payload.voice, payload.speed, payload.language)
         pcm = audio.to_output_rate(samples, rate)
         if index:
             pcm = np.concatenate([audio.silence(), pcm])

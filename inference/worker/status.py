@@ -3,6 +3,7 @@ GET /v1/memory/status (spec §14) but for the web process's own latency figures.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -59,8 +60,18 @@ class StatusReports:
                 "trained_context_len": runtime.engine.trained_context_len if runtime.engine is not None else 0,
                 # Idle unload (server.keep_alive_secs): when it demotes the model, if it will.
                 "expires_at": self.tiers.expires_at(model_id),
+                # Requests queued or running, and those in the engine now (Lemonade's is_busy
+                # and is_streaming).
+                "admitted": runtime.admitted,
+                "generating": runtime.engine_users,
             }
-        return {"ready": self.ready(), "simulated": self.device.simulated, "models": models}
+        return {
+            "ready": self.ready(),
+            "simulated": self.device.simulated,
+            "models": models,
+            "max_resident": self.tiers.max_resident,
+            "pid": os.getpid(),
+        }
 
     def memory_status(self) -> dict[str, Any]:
         """GET /v1/memory/status (spec §14), all but the web process's own latency figures."""

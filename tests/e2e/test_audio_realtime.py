@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from tests.e2e.conftest import Server
@@ -76,3 +77,21 @@ def test_server_vad_ends_the_turn_and_the_transcript_comes_back(server: Server):
     assert events[-1]["item_id"] == started["item_id"] == stopped["item_id"]
     assert events[-1]["type"] == "conversation.item.input_audio_transcription.completed", events[-1].get("error")
     assert "nice today" in events[-1]["transcript"].lower()
+
+
+def test_lemonade_clients_find_the_socket_at_realtime_on_the_advertised_port(server: Server):
+    health = httpx.get(f"{server.base_url}/api/v1/health", timeout=10).json()
+    host = server.base_url.removeprefix("http://").rsplit(":", 1)[0]
+    url = f"ws://{host}:{health['websocket_port']}/realtime?intent=transcription&api_key=unused"
+    with connect(url) as ws:
+        assert json.loads(ws.recv(timeout=10))["type"] == "transcription_session.created"
+
+
+@pytest.mark.parametrize("path", ["/realtime/extra", "/v1/nope", "/", "/v1/chat/completions"])
+def test_an_unknown_websocket_path_is_refused_at_the_handshake_not_a_500(server: Server, path: str):
+    url = server.base_url.replace("http://", "ws://") + path
+    with pytest.raises(InvalidStatus) as refused:
+        connect(url, open_timeout=10)
+    assert refused.value.response.status_code == 403
+    # The server is unharmed: the next request is answered.
+    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200

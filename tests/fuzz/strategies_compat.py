@@ -18,6 +18,7 @@ from typing import Any
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
+from inference.protocol import LemonadePullRequest
 from inference.protocol_anthropic import MessageCountTokensParams, MessageCreateParams, ToolParam
 from inference.protocol_ollama import (
     ChatRequest,
@@ -212,6 +213,7 @@ ollama_embed_body = _named(EmbedRequest)
 ollama_embeddings_body = _named(EmbeddingsRequest)
 ollama_show_body = _named(ShowRequest)
 ollama_pull_body = _named(PullRequest)
+lemonade_pull_body = wire_body(LemonadePullRequest, {"LemonadePullRequest.model_name": pull_names})
 ollama_delete_body = _named(DeleteRequest)
 ollama_unknown_paths = st.sampled_from(
     ["api/create", "api/copy", "api/push", "api/blobs/sha256:00", "api/", "api/%00", "api/chat/x", "api/tags/"]

@@ -45,6 +45,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from hypnos_site.config import HypnosConfig, KeyConfig, ModelConfig
+from inference.deadline import within
 from inference.protocol import (
     AdvisorRequest,
     ChatCompletionRequest,
@@ -390,6 +391,8 @@ ROUTES = [
     Route("api/v1/load", ("POST",), lemonade_body),
     Route("api/v1/unload", ("POST",), lemonade_body),
     Route("api/v1/stats", ("GET",)),
+    # The catalog names of the Ollama pull: nothing to download (compat.DOWNLOAD_TRAP reports one).
+    Route("api/v1/pull", ("POST",), compat.lemonade_pull_body),
     *[dataclasses.replace(r, pattern="v1/" + r.pattern) for r in V1_ROUTES],
     *[dataclasses.replace(r, pattern="api/v1/" + r.pattern, weight=max(r.weight // 3, 1)) for r in V1_ROUTES],
     # The key routes (`hypnos keys`) on /v1 only. No POST: a key it made would close the API to
@@ -584,9 +587,7 @@ async def send(api: AsyncClient, case: Case) -> Outcome:
     if case.content_type is not None:
         kwargs["content_type"] = case.content_type
     try:
-        response = await asyncio.wait_for(
-            api.generic(case.method, case.path, data=case.body, **kwargs), REQUEST_TIMEOUT_SECS
-        )
+        response = await within(api.generic(case.method, case.path, data=case.body, **kwargs), REQUEST_TIMEOUT_SECS)
         if getattr(response, "streaming", False):
             chunks = []
 
@@ -594,7 +595,7 @@ async def send(api: AsyncClient, case: Case) -> Outcome:
                 async for chunk in response.streaming_content:
                     chunks.append(chunk)
 
-            await asyncio.wait_for(read(), REQUEST_TIMEOUT_SECS)
+            await within(read(), REQUEST_TIMEOUT_SECS)
             body = b"".join(chunks)
         else:
             body = response.content

@@ -4,7 +4,7 @@ import asyncio
 import json
 import threading
 from collections.abc import AsyncIterator, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import pytest
@@ -77,6 +77,20 @@ def serve(use_worker: Any) -> Iterator[Any]:
     yield start
     for worker in started:
         worker.shutdown()
+
+
+@contextmanager
+def queue_filled(worker: Worker, model: str, count: int) -> Iterator[None]:
+    """As if `count` more requests were queued or running on `model`: counted under the
+    worker's lock, as the worker counts its own, so a request ending meanwhile loses no count."""
+    runtime = worker.models[model]
+    with worker._lock:
+        runtime.admitted += count
+    try:
+        yield
+    finally:
+        with worker._lock:
+            runtime.admitted -= count
 
 
 def with_limits(settings: Any, **limits: Any) -> HypnosConfig:

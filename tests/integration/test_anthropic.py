@@ -20,7 +20,7 @@ import models_registry.quotas as quotas_module
 from hypnos_site.config import KeyConfig
 from inference.worker import Worker
 from memory.gguf import read_gguf
-from tests.integration.conftest import post_json, with_limits, with_server
+from tests.integration.conftest import post_json, queue_filled, with_limits, with_server
 from tests.integration.test_http_contract import FailingAfterOneTokenEngine, with_engine
 from tests.integration.test_vision import TOKENS_PER_IMAGE, png_data_url, write_tiny_projector
 
@@ -323,13 +323,9 @@ async def test_an_image_for_a_model_without_vision_is_the_same_400_streamed_or_n
 
 
 async def test_a_full_queue_is_the_same_429_streamed_or_not(api, settings, worker):
-    runtime = worker.models[SMOL]
     # As if limits.max_queue_per_model requests were queued or running on the model.
-    runtime.admitted += settings.HYPNOS.limits.max_queue_per_model
-    try:
+    with queue_filled(worker, SMOL, settings.HYPNOS.limits.max_queue_per_model):
         assert "queued" in await refused_both_ways(api, ask(), 429, "rate_limit_error")
-    finally:
-        runtime.admitted -= settings.HYPNOS.limits.max_queue_per_model
 
 
 async def test_a_model_beyond_the_memory_budget_is_the_same_507_streamed_or_not(api, settings, serve):

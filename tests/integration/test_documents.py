@@ -20,6 +20,7 @@ from django.conf import settings as django_settings
 from django.test import AsyncClient
 from django_celery_results.models import TaskResult
 
+from inference.deadline import within
 from inference.serving import image_input
 from inference.worker import Worker
 from logs.models import DocumentJob, StoredDocument
@@ -209,7 +210,7 @@ async def test_a_client_that_leaves_stops_the_job_at_the_next_page(api, files, w
                 return found
             await asyncio.sleep(0.05)
 
-    ended = await asyncio.wait_for(settled(), 10)
+    ended = await within(settled(), 10)
     assert ended.state == "cancelled" and ended.cancel_requested, (
         ended.state,
         ended.pages_done,

@@ -14,6 +14,7 @@ import pytest
 from django.conf import settings
 from PIL import Image
 
+from inference.deadline import within
 from logs.models import ImageJob
 from tests.fuzz.strategies import png_claiming
 from tests.integration.conftest import post_json, wait_until, with_limits
@@ -309,7 +310,7 @@ async def test_a_client_that_leaves_stops_the_job_between_tiles(api, worker):
             await asyncio.sleep(0.05)
         return found
 
-    final = await asyncio.wait_for(ended(), 30)
+    final = await within(ended(), 30)
     assert final.state == "cancelled" and final.cancel_requested and final.images_done == 0, (final.state, final.error)
     await assert_nothing_left(worker)
 

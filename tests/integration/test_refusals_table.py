@@ -12,7 +12,7 @@ import pytest
 
 from hypnos_site.config import HypnosConfig
 from inference.worker import Worker
-from tests.integration.conftest import post_json
+from tests.integration.conftest import post_json, queue_filled
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SMOL, PIPER, MINILM = "smollm2-135m", "piper-joe", "all-minilm-l6-v2"
@@ -117,13 +117,9 @@ async def test_a_prompt_beyond_the_context_is_the_same_400_streamed_or_not(api, 
 @pytest.mark.parametrize("route", list(ROUTES))
 async def test_a_full_queue_is_the_same_429_streamed_or_not(api, settings, table_worker, route):
     body, _ = request_for(route, "model_busy", table_worker)
-    runtime = table_worker.models[ROUTES[route][1]]
     # As if limits.max_queue_per_model requests were queued or running on the model.
-    runtime.admitted += settings.HYPNOS.limits.max_queue_per_model
-    try:
+    with queue_filled(table_worker, ROUTES[route][1], settings.HYPNOS.limits.max_queue_per_model):
         await refused_both_ways(api, route, body, REFUSALS["model_busy"], None)
-    finally:
-        runtime.admitted -= settings.HYPNOS.limits.max_queue_per_model
 
 
 @pytest.mark.parametrize("route", list(ROUTES))

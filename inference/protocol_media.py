@@ -123,7 +123,13 @@ class SpeechRequest(_Wire):
     response_format: str = "wav"
     speed: float = Field(default=1.0, ge=0.25, le=4.0)
     stream: bool = False
-    language: str = "en"
+    # OpenAI's stream_format: "audio" streams the bytes (as stream: true does), "sse" streams
+    # speech.audio.delta events with base64 audio, then speech.audio.done.
+    stream_format: Literal["audio", "sse"] | None = None
+    # Hypnos extension: the language of input; None: the voice's own.
+    language: str | None = Field(
+        default=None, min_length=2, max_length=35, pattern=r"^[A-Za-z]{2,3}([-_][A-Za-z0-9]{1,8})*$"
+    )
     instructions: str | None = None
 
     @field_validator("response_format")

@@ -97,6 +97,9 @@ class SpeechWork(_Work):
     speed: float = 1.0
     response_format: str = "wav"
     stream: bool = False
+    # ISO 639-1 (or a tag such as en-GB); None: the voice's own. The worker resolves it before
+    # the request starts (Engine.speech_language) and refuses one the voice cannot speak.
+    language: str | None = None
 
 
 class ImageWork(_Work):

@@ -11,6 +11,14 @@ early), times how well that model fits: whole in tier 1 counts fully, a layer sp
 PARTIAL_FIT times its share of layers on the GPU, and an interactive model that cannot stay in
 tier 1 counts ON_DEMAND_FIT (every use reloads it). A lineup whose interactive models all stay
 whole in tier 1 together gets CORESIDENT_BONUS.
+
+Which entries are tried: a machine without a GPU plans from the catalog's CPU entries only (an
+entry with `gpu = true` is left out); a machine with one plans each role from the GPU entries
+that serve it, and from the others only when none of those fits. Every combination of the
+interactive roles' candidates is placed (a candidate another one beats on every count, serving
+the same roles, is dropped first); a non-interactive role (images, documents, entities) takes
+its largest candidate that fits alone, since it never changes where the interactive models go
+(they are placed first) and counts fully wherever it starts.
 """
 
 from __future__ import annotations
@@ -331,11 +339,46 @@ def _assignments(choices: dict[str, list[Candidate]]) -> list[dict[str, Candidat
     return found
 
 
-def best_plan(assignments: list[dict[str, Candidate]], budgets: Budgets, hardware: HardwareConfig) -> Plan:
+def _frontier(found: list[Candidate], roles: set[str]) -> list[Candidate]:
+    """The candidates no other one beats: serving the same of `roles`, with at least as many
+    parameters and at most as many bytes in tier 1 at both the full and the reduced context
+    (and better in one of them): in any lineup a dropped one would take as much of tier 1 for
+    no more parameters than the one that beats it."""
+
+    def counts(c: Candidate) -> tuple[frozenset[str], int, int, int]:
+        fp = c.footprint
+        served = frozenset(r for r in roles if c.serves(r))
+        return served, c.params, fp.resident_bytes(c.context_len(False)), fp.resident_bytes(c.context_len(True))
+
+    def beats(b: tuple[frozenset[str], int, int, int], a: tuple[frozenset[str], int, int, int]) -> bool:
+        return b[0] == a[0] and b[1] >= a[1] and b[2] <= a[2] and b[3] <= a[3] and b != a
+
+    measured = [(c, counts(c)) for c in found]
+    return [c for c, mine in measured if not any(beats(other, mine) for _, other in measured)]
+
+
+def _non_interactive(assignment: dict[str, Candidate], found: list[Candidate]) -> Candidate | None:
+    """A non-interactive role's model next to `assignment`: the largest that fits alone, one
+    already in the lineup on a tie; None when every candidate is another variant of an entry the
+    lineup runs."""
+    used = {c.entry.id: c for c in assignment.values()}
+    allowed = [c for c in found if used.get(c.entry.id, c) is c]
+    if not allowed:
+        return None
+    return min(allowed, key=lambda c: (-c.params, c.entry.id not in used, c.footprint.weights_bytes))
+
+
+def best_plan(choices: dict[str, list[Candidate]], budgets: Budgets, hardware: HardwareConfig) -> Plan:
     """The best-scoring plan; a chat model's reduced context is tried when the full one keeps
     the interactive models from staying resident together."""
+    interactive = {role for role in choices if role in INTERACTIVE_ROLES}
+    front = {role: _frontier(found, interactive) for role, found in choices.items() if role in interactive}
     plans = []
-    for assignment in assignments:
+    for partial in _assignments(front):
+        assignment = dict(partial)
+        for role, found in choices.items():
+            if role not in interactive and (pick := _non_interactive(assignment, found)) is not None:
+                assignment[role] = pick
         plan = plan_lineup(assignment, budgets, hardware, reduced=False)
         if not plan.coresident and CHAT_ROLES & set(assignment):
             plan = max(plan, plan_lineup(assignment, budgets, hardware, reduced=True), key=lambda p: p.score)
@@ -412,16 +455,18 @@ def recommend(
         raise NoLineup(f"Unknown needs {unknown}; the needs are {', '.join(NEEDS)}.")
     budgets = derive_budgets(machine, hardware)
     candidates, warnings = load_candidates(catalog, models_dir, machine.platform)
+    # Without a GPU the GPU lineup is left out (it would run, slowly, on the CPU).
+    usable = [c for c in candidates if budgets.gpu or not c.entry.gpu]
     roles = list(dict.fromkeys(role for need in needs for role in NEED_ROLES[need]))
-    choices = {role: [c for c in candidates if c.serves(role)] for role in roles}
+    choices = {role: [c for c in usable if c.serves(role)] for role in roles}
     for need in needs:
         for role in NEED_ROLES[need]:
             if not choices[role]:
-                why = "its catalog models were left out" if _in_catalog(catalog, role) else "no catalog model serves it"
+                why = _unserved(catalog, role, budgets.gpu)
                 warnings.append(f"{need}: {ROLE_MODALITY[role]}: {why}; the lineup leaves it out.")
     choices = {role: found for role, found in choices.items() if found}
     if not choices:
-        raise NoLineup(f"No catalog model serves any of the needs {needs}.")
+        raise NoLineup(f"No catalog model serves any of the needs {needs} on this machine.")
     for role, found in choices.items():
         fitting = [c for c in found if fits_alone(c, {role}, budgets, hardware)]
         if not fitting:
@@ -431,16 +476,24 @@ def recommend(
                 f"{gib(smallest.footprint.resident_bytes(smallest.context_len(True)))} in tier 1, which holds "
                 f"{gib(budgets.tier1_bytes)} on this machine ({machine.describe()})."
             )
-        choices[role] = fitting
-    plan = best_plan(_assignments(choices), budgets, hardware)
+        # With a GPU its lineup comes first: the CPU entries only where none of it fits.
+        choices[role] = ([c for c in fitting if c.entry.gpu] or fitting) if budgets.gpu else fitting
+    plan = best_plan(choices, budgets, hardware)
     advice = Advice(needs, machine, budgets, plan, warnings + _plan_warnings(plan))
     advice.config = render_config(advice)
     return advice
 
 
-def _in_catalog(catalog: Catalog, role: str) -> bool:
+def _unserved(catalog: Catalog, role: str, gpu: bool) -> str:
+    """Why no candidate serves `role`: no entry does, only GPU entries do (on a machine without
+    one), or the entries that do were left out (no estimate, no weights for this platform)."""
     modality = ROLE_MODALITY[role]
-    return any(modality == e.modality or modality in e.additional_modalities for e in catalog.models)
+    serving = [e for e in catalog.models if modality == e.modality or modality in e.additional_modalities]
+    if not serving:
+        return "no catalog model serves it"
+    if not gpu and all(e.gpu for e in serving):
+        return "its catalog models are for a machine with a GPU"
+    return "its catalog models were left out"
 
 
 def _plan_warnings(plan: Plan) -> list[str]:

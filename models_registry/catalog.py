@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import tomllib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from hypnos_site.config import BASE_DIR, HypnosConfig
+from hypnos_site.config import BASE_DIR, HypnosConfig, ImageConfig
 from memory.gguf import GgufError, read_gguf
 
 
@@ -97,7 +97,18 @@ class CatalogVariant(_Strict):
     sha256: str | None = None
     tool_router: bool = False
     estimate: CatalogEstimate | None = None
+    # An image model's [models.image] (steps, cfg_scale, edit, text_encoders by role), written
+    # into its config block; text_encoders name files of the variant by their `local`.
+    image: ImageConfig | None = None
     files: list[CatalogFile]
+
+    @model_validator(mode="after")
+    def _encoders_are_files(self) -> CatalogVariant:
+        locals_ = {f.local for f in self.files}
+        missing = [path for path in (self.image.text_encoders if self.image else {}).values() if path not in locals_]
+        if missing:
+            raise ValueError(f"{self.quant}: image.text_encoders names {missing}, not a file of the variant")
+        return self
 
 
 class CatalogEntry(_Strict):
@@ -112,6 +123,10 @@ class CatalogEntry(_Strict):
     capabilities: list[str] = []
     summary: str
     lineup: bool = False
+    # Part of the lineup users with a GPU run: the advisor proposes the entry only for a machine
+    # with a GPU (or unified memory), and there before the entries without the flag. Configured by
+    # hand it runs on a CPU as well, slowly.
+    gpu: bool = False
     # Names the config block gives the model besides its id (OpenAI's, for drop-in clients).
     aliases: list[str] = []
     variants: list[CatalogVariant]
@@ -165,6 +180,19 @@ def config_block(entry: CatalogEntry, variant: CatalogVariant, settings: dict[st
     return "\n".join(keys + lines[start:]) + "\n"
 
 
+# Engines whose weights_path is a folder: a hub variant lists the folder's files one by one, and
+# the block names the folder that holds its weights file.
+FOLDER_ENGINES = frozenset({"ggml_whisper"})
+
+
+def weights_path(entry: CatalogEntry, weights: CatalogFile) -> str:
+    """The config block's weights_path for the variant's weights file: its `local`, or for an
+    engine that reads a folder and a file fetched alone, the folder around it."""
+    if entry.engine in FOLDER_ENGINES and weights.repo is not None:
+        return str(PurePosixPath(weights.local).parent)
+    return weights.local
+
+
 def _block_lines(entry: CatalogEntry, variant: CatalogVariant, weights: CatalogFile) -> list[str]:
     converted = bool(weights.package_path and weights.local.endswith(".gguf"))
     lines = [
@@ -178,7 +206,7 @@ def _block_lines(entry: CatalogEntry, variant: CatalogVariant, weights: CatalogF
         f'id = "{entry.id}"',
         f'modality = "{entry.modality}"',
         f'engine = "{entry.engine}"',
-        f'weights_path = "{weights.local}"',
+        f'weights_path = "{weights_path(entry, weights)}"',
         f"context_len = {variant.context_len}",
     ]
     if weights.package:
@@ -204,7 +232,28 @@ def _block_lines(entry: CatalogEntry, variant: CatalogVariant, weights: CatalogF
     if entry.engine == "ggml_llama":
         # Checked against the GGUF when the block joins a running pool (POST /v1/models).
         lines += ["[models.arch]", f'architecture = "{entry.architecture}"']
+    if variant.image is not None:
+        lines += _image_lines(variant.image)
     return lines
+
+
+def _image_lines(image: ImageConfig) -> list[str]:
+    """[models.image] with the keys the catalog sets (the rest keep ImageConfig's defaults)."""
+    settings = image.model_dump(exclude_unset=True)
+    encoders = settings.pop("text_encoders", {})
+    lines = ["[models.image]", *(f"{key} = {json.dumps(value)}" for key, value in settings.items())]
+    if encoders:
+        lines += ["[models.image.text_encoders]", *(f"{role} = {json.dumps(path)}" for role, path in encoders.items())]
+    return lines
+
+
+def _runs(entry: CatalogEntry, variant: CatalogVariant, configured: str) -> bool:
+    """Whether a model block's weights_path is this variant's: the path its config block writes,
+    or a file of the variant by name (a block that places the file elsewhere)."""
+    weights = next((f for f in variant.files if f.role == "weights"), None)
+    if weights is not None and weights_path(entry, weights) == configured:
+        return True
+    return any(f.local == Path(configured).name for f in variant.files)
 
 
 def _file_state(config: HypnosConfig, file: CatalogFile) -> dict[str, Any]:
@@ -263,7 +312,7 @@ def describe(config: HypnosConfig, catalog: Catalog, modality: str | None = None
             files = [_file_state(config, f) for f in variant.files]
             variants.append(
                 {
-                    **variant.model_dump(exclude={"files", "sha256", "tool_router", "estimate"}),
+                    **variant.model_dump(exclude={"files", "sha256", "tool_router", "estimate", "image"}),
                     "size_bytes": variant_size(variant),
                     "files": files,
                     "installed": all(f["present"] for f in files),
@@ -280,10 +329,8 @@ def describe(config: HypnosConfig, catalog: Catalog, modality: str | None = None
             "variants": variants,
         }
         if model is not None:
-            row["configured_quant"] = next(
-                (v.quant for v in entry.variants if any(f.local == Path(model.weights_path).name for f in v.files)),
-                None,
-            )
+            runs = (v.quant for v in entry.variants if _runs(entry, v, model.weights_path))
+            row["configured_quant"] = next(runs, None)
         data.append(row)
     return {
         "object": "list",

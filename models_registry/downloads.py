@@ -6,13 +6,18 @@ sha256, and only then renamed into place. Package files are installed with pip -
 placed the way `manage.py installmodels` places them. Nothing is fetched before the whole plan is
 known to fit on disk (as far as its sizes are known) and every gated file has a token.
 
-A file the catalog lists no size for is checked against the size the server announces: the
-Content-Length of a whole answer, or the full length a 206 answer's Content-Range states. Its
-`.part` is resumed only when such a size is known to check the result against (an earlier answer
-of the same run, or the resuming answer's own Content-Range); otherwise it starts over. Given no
-size by anyone, it is kept as received and reported unchecked. Such a file already on disk is
-taken as it is. The disk-space check counts it with the Content-Length a HEAD request answers,
-and leaves it out, naming it when the check refuses, when the server gives none."""
+What the catalog does not list of a file to fetch, its size or its sha256, is asked of the server
+first, with a HEAD request that does not follow the redirect to the hub's storage: Hugging Face
+declares an LFS file's size and sha256 on that redirect (X-Linked-Size, and X-Linked-Etag, the
+quoted sha256), a plain server its Content-Length. The download must end with what was declared
+(a mismatch discards it; nothing takes the file's name). Without a declared size the file is
+checked against the size the GET announces: the Content-Length of a whole answer, or the full
+length a 206 answer's Content-Range states. Its `.part` is resumed only when such a size is known
+to check the result against (declared, an earlier answer of the same run, or the resuming
+answer's own Content-Range); otherwise it starts over. Given no size by anyone, it is kept as
+received and reported unchecked. A file the catalog lists no size for that is already on disk is
+taken as it is. The disk-space check counts a file of unknown size with the size the server
+declares, and leaves it out, naming it when the check refuses, when the server gives none."""
 
 from __future__ import annotations
 
@@ -42,6 +47,11 @@ from models_registry.packaged import PackageMissing, convert_packaged_models, in
 logger = logging.getLogger(__name__)
 
 DEFAULT_HUB = "https://huggingface.co"
+# Redirects a HEAD request follows to the answer that declares a file's size (a renamed
+# repository's relative redirect, a plain server's own); the storage redirect declares it first.
+MAX_REDIRECTS = 5
+# Hugging Face's X-Linked-Etag is an LFS file's sha256 in quotes (W/ when weak).
+_SHA256_ETAG = re.compile(r'^(?:W/)?"?([0-9a-fA-F]{64})"?$')
 # A read that waits longer than this is a stalled connection; the next try resumes it.
 TIMEOUT = httpx.Timeout(60.0, connect=15.0)
 
@@ -149,15 +159,42 @@ def space_needed(
     return needs
 
 
-def remote_size(client: httpx.Client, url: str, headers: dict[str, str]) -> int | None:
-    """The Content-Length a HEAD request for `url` answers; None when it fails or gives none
-    (the GET that follows reports a real failure)."""
+@dataclass(frozen=True)
+class Declared:
+    """What a server declares about a file before it is fetched; None where it declares nothing."""
+
+    size: int | None = None
+    sha256: str | None = None
+
+
+def declared(client: httpx.Client, url: str, headers: dict[str, str]) -> Declared:
+    """The size and sha256 a HEAD request for `url` declares: X-Linked-Size and X-Linked-Etag on
+    the first answer that has them (Hugging Face's redirect to its storage, which is not
+    followed), else the Content-Length of the 200 the redirects lead to. Nothing when the request
+    fails or is refused (the GET that follows reports a real failure). A redirect to another
+    origin drops the authorization header, as httpx's own redirects do."""
     try:
-        response = client.head(url, headers=headers)
+        response = client.head(url, headers=headers, follow_redirects=False)
+        for _ in range(MAX_REDIRECTS):
+            if _linked(response) is not None or not response.is_redirect or response.next_request is None:
+                break
+            response = client.send(response.next_request, follow_redirects=False)
     except httpx.HTTPError:
-        return None
+        return Declared()
+    linked = _linked(response)
+    if linked is not None:
+        return linked
     length = response.headers.get("content-length", "")
-    return int(length) if response.status_code == 200 and length.isdigit() else None
+    return Declared(size=int(length)) if response.status_code == 200 and length.isdigit() else Declared()
+
+
+def _linked(response: httpx.Response) -> Declared | None:
+    """Hugging Face's X-Linked-Size / X-Linked-Etag, None when the answer has neither."""
+    size, etag = response.headers.get("x-linked-size", ""), response.headers.get("x-linked-etag", "")
+    if not size and not etag:
+        return None
+    match = _SHA256_ETAG.match(etag.strip())
+    return Declared(size=int(size) if size.isdigit() else None, sha256=match[1].lower() if match else None)
 
 
 def _free_bytes(path: Path) -> int:
@@ -225,7 +262,8 @@ def fetch(
     # identity: Range offsets and the catalog's sizes count the file's bytes, not a compressed body.
     headers = {"user-agent": "hypnos", "accept-encoding": "identity"}
     with httpx.Client(follow_redirects=True, timeout=TIMEOUT, headers=headers) as client:
-        _check_space(client, planned, models_dir, hub, token)
+        declarations = _declarations(client, planned, hub, token)
+        _check_space(planned, models_dir, declarations)
         for item in planned:
             if item.there:
                 done.append((item, "already there"))
@@ -239,6 +277,7 @@ def fetch(
                     item.dest,
                     item.file.size,
                     sha256=_expected_sha256(item),
+                    declared=declarations.get(item.dest),
                     headers=_auth(item, token),
                     retries=retries,
                     label=item.label,
@@ -259,17 +298,27 @@ def _auth(item: PlannedFile, token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token and item.file.from_hub else {}
 
 
-def _check_space(
-    client: httpx.Client, planned: list[PlannedFile], models_dir: Path, hub: str, token: str | None
-) -> None:
-    """The disk-space check, with a HEAD request's Content-Length for each file to fetch that the
-    catalog lists no size for."""
+def _declarations(
+    client: httpx.Client, planned: list[PlannedFile], hub: str, token: str | None
+) -> dict[Path, Declared]:
+    """What the server declares of each file to download that the catalog lists no size or no
+    sha256 for, by its dest."""
+    return {
+        item.dest: declared(client, item.file.url(hub), _auth(item, token))
+        for item in planned
+        if item.file.repo is not None and not item.there and (item.file.size is None or _expected_sha256(item) is None)
+    }
+
+
+def _check_space(planned: list[PlannedFile], models_dir: Path, declarations: Mapping[Path, Declared]) -> None:
+    """The disk-space check, with the declared size of each file to fetch that the catalog lists
+    no size for."""
     unknown = [item for item in planned if item.missing is None]
     remote_sizes = {}
     for item in unknown:
-        length = remote_size(client, item.file.url(hub), _auth(item, token)) if item.file.repo else None
-        if length is not None:
-            remote_sizes[item.dest] = length
+        size = declarations[item.dest].size if item.dest in declarations else None
+        if size is not None:
+            remote_sizes[item.dest] = size
     uncounted = [item.label for item in unknown if item.dest not in remote_sizes]
     check_disk_space(space_needed(planned, models_dir, remote_sizes), uncounted=uncounted)
 
@@ -281,20 +330,42 @@ def _expected_sha256(item: PlannedFile) -> str | None:
 
 @dataclass
 class _Size:
-    """The bytes a download must end with and who gave them: the catalog, or else the server's
-    first answer that states them (None until then)."""
+    """The bytes a download must end with and who gave them: the catalog, the server's
+    declaration before the download, or else the server's first answer that states them (None
+    until then)."""
 
     bytes: int | None
-    listed: bool
+    source: str
 
     def learn(self, total: int | None, label: str, url: str) -> None:
         if total is not None and self.bytes is None:
-            self.bytes = total
+            self.bytes, self.source = total, "the server first announced"
         elif total is not None and total != self.bytes:
             raise DownloadError(f"{label}: {url} is {total} bytes, {self.said()}; not downloaded")
 
     def said(self) -> str:
-        return f"the catalog lists {self.bytes}" if self.listed else f"the server first announced {self.bytes}"
+        return f"{self.source} {self.bytes}"
+
+
+def _expected(
+    size: int | None, sha256: str | None, declared: Declared | None, label: str, url: str
+) -> tuple[_Size, str | None, str]:
+    """The size and sha256 the download must end with, and whose sha256 it is: the catalog's,
+    else what the server declared. A declaration that contradicts the catalog refuses the
+    download before it starts."""
+    declared = declared or Declared()
+    if size is not None:
+        expected = _Size(size, "the catalog lists")
+        expected.learn(declared.size, label, url)
+    else:
+        expected = _Size(declared.size, "the server declared")
+    if sha256 and declared.sha256 and declared.sha256 != sha256:
+        raise DownloadError(
+            f"{label}: {url} declares the sha256 {declared.sha256}, the catalog lists {sha256}; not downloaded"
+        )
+    if sha256:
+        return expected, sha256, "the catalog's"
+    return expected, declared.sha256, "the one the server declared"
 
 
 def download(
@@ -304,6 +375,7 @@ def download(
     size: int | None,
     *,
     sha256: str | None = None,
+    declared: Declared | None = None,
     headers: dict[str, str] | None = None,
     retries: int = 2,
     label: str = "",
@@ -311,13 +383,14 @@ def download(
     on_bytes: OnBytes | None = None,
 ) -> int | None:
     """Stream `url` to `dest` through `dest.part`, resuming what an earlier try left there; the
-    file takes its name only with the size it must have (and `sha256`, when given). `size` None:
-    the catalog does not know it and the server's announced size stands in, and a `.part` is
-    resumed only once that is known. Returns the size checked, None when nobody gave one."""
+    file takes its name only with the size it must have (and `sha256`, when given). `size` and
+    `sha256` are the catalog's; `declared` (what the server declared before the download) stands
+    in for what they leave out, and then the size the GET announces; a `.part` is resumed only
+    once a size is known. Returns the size checked, None when nobody gave one."""
     label = label or dest.name
     part = part_path(dest)
+    expected, sha256, whose = _expected(size, sha256, declared, label, url)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    expected = _Size(size, listed=size is not None)
     for attempt in range(retries + 1):
         try:
             _fetch_to_part(client, url, part, expected, headers or {}, label, progress, on_bytes)
@@ -334,7 +407,7 @@ def download(
             logger.warning("%s: %s (%s); resuming from byte %d", label, url, type(exc).__name__, kept)
         except httpx.RequestError as exc:
             raise DownloadError(f"{label}: {url} failed ({type(exc).__name__}: {exc})") from exc
-    _verify(part, expected, sha256, label)
+    _verify(part, expected, sha256, whose, label)
     os.replace(part, dest)
     return expected.bytes
 
@@ -454,7 +527,7 @@ def _write_body(
         ) from exc
 
 
-def _verify(part: Path, size: _Size, sha256: str | None, label: str) -> None:
+def _verify(part: Path, size: _Size, sha256: str | None, whose: str, label: str) -> None:
     got = part.stat().st_size
     if size.bytes is not None and got != size.bytes:
         part.unlink()
@@ -464,7 +537,7 @@ def _verify(part: Path, size: _Size, sha256: str | None, label: str) -> None:
             digest = hashlib.file_digest(f, "sha256").hexdigest()
         if digest != sha256:
             part.unlink()
-            raise DownloadError(f"{label}: sha256 {digest} is not the catalog's {sha256}; the download is discarded")
+            raise DownloadError(f"{label}: sha256 {digest} is not {whose} {sha256}; the download is discarded")
 
 
 def _package_specs(file: CatalogFile) -> list[str]:

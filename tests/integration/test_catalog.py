@@ -23,12 +23,36 @@ async def test_the_catalog_lists_the_tested_models_and_what_is_installed(api):
     assert variant["installed"] is True and variant["outdated"] is False
     assert variant["files"][0]["present"] is True and variant["size_bytes"] == 98362432
     tools = (await api.get("/v1/models/catalog?modality=text_generation")).json()["data"]
-    assert [e["id"] for e in tools] == [e["id"] for e in body["data"] if e["modality"] == "text_generation"]
+    chats = [e["id"] for e in body["data"] if "text_generation" in [e["modality"], *e["additional_modalities"]]]
+    assert [e["id"] for e in tools] == chats and "gemma3:4b" in chats
     assert {"all-minilm-l6-v2", "whisper-tiny.en", "piper-joe"} <= set(entries) - {e["id"] for e in tools}
     # A folder (the Whisper model) is present when it holds the listed bytes.
     [whisper] = entries["whisper-tiny.en"]["variants"][0]["files"]
     assert whisper["present"] is True and whisper["outdated"] is False and whisper["entry"] == "model.bin"
-    assert (await api.get("/v1/models/catalog?modality=vision")).json()["data"] == []
+    assert smol["gpu"] is False
+
+
+async def test_the_gpu_lineup_is_listed_with_its_hub_files_and_projectors(api):
+    vision = (await api.get("/v1/models/catalog?modality=vision")).json()["data"]
+    assert [e["id"] for e in vision] == ["gemma3:4b", "gemma3:12b", "gemma3:27b", "qwen2.5-vl:7b"]
+    gemma = vision[0]
+    assert (
+        gemma["gpu"] is True and gemma["configured"] is False and gemma["additional_modalities"] == ["text_generation"]
+    )
+    [variant] = gemma["variants"]
+    assert variant["installed"] is False and variant["size_bytes"] is None
+    assert [(f["role"], f["repo"], f["remote"], f["local"], f["size"]) for f in variant["files"]] == [
+        ("weights", "ggml-org/gemma-3-4b-it-GGUF", "gemma-3-4b-it-Q4_K_M.gguf", "gemma-3-4b-it-Q4_K_M.gguf", None),
+        ("aux", "ggml-org/gemma-3-4b-it-GGUF", "mmproj-model-f16.gguf", "mmproj-gemma-3-4b-it-f16.gguf", None),
+    ]
+    [model] = tomllib.loads(variant["config_block"])["models"]
+    assert ModelConfig.model_validate(model).aux_path == "mmproj-gemma-3-4b-it-f16.gguf"
+    # The image settings go into the config block, not beside it.
+    images = (await api.get("/v1/models/catalog?modality=image_generation")).json()["data"]
+    klein = next(e for e in images if e["id"] == "flux2-klein:4b")
+    assert (
+        "image" not in klein["variants"][0] and "[models.image.text_encoders]" in klein["variants"][0]["config_block"]
+    )
 
 
 async def test_a_config_block_is_a_valid_model_block(api):
@@ -44,7 +68,14 @@ async def test_the_gliner_entries_list_no_sizes_and_run_on_the_gliner_engine(api
     body = (await api.get("/v1/models/catalog?modality=entity_extraction")).json()
     entries = {e["id"]: e for e in body["data"]}
     # The chat models that extract entities are listed too (additional_modalities).
-    assert set(entries) == {"gliner-multi-v2.1", "gliner-small-v2.1", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
+    assert set(entries) == {
+        "gliner-multi-v2.1",
+        "gliner-small-v2.1",
+        "gliner-medium-v2.1",
+        "gliner-large-v2.1",
+        "qwen2.5-coder-0.5b",
+        "qwen2.5-coder-1.5b",
+    }
     assert entries["qwen2.5-coder-1.5b"]["additional_modalities"] == ["entity_extraction"]
     int8, fp32 = entries["gliner-multi-v2.1"]["variants"]
     assert (int8["quant"], int8["default"], fp32["quant"]) == ("int8", True, "fp32")

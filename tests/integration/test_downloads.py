@@ -1,6 +1,8 @@
 """`manage.py fetchmodels` (./run.sh models) against a real HTTP server on 127.0.0.1 standing in
 for the hub: Range resume, dropped connections, a token for gated files, size and sha256 checks,
-and files the catalog lists no size for (checked against what the server announces)."""
+and files the catalog lists no size or sha256 for (checked against what the server declares:
+Hugging Face's X-Linked-Size and X-Linked-Etag on its redirect to storage, else the length it
+announces)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from models_registry import downloads
 PAYLOAD = random.Random(5).randbytes((4 << 20) + 123)
 SHA256 = hashlib.sha256(PAYLOAD).hexdigest()
 TOKEN = "hf_test_token"
+LFS_PATH = "/acme/lfs-GGUF/resolve/main/big.gguf"
 
 
 @dataclass
@@ -38,7 +41,9 @@ class HubState:
     """What the server serves and what it saw. `drops`: how many of the next answers stop after
     `drop_after` bytes of their body and close the connection; `after_drop`: files that change
     then. `no_length`: bodies go chunked, without a Content-Length; `open_total`: a 206 states
-    no full length (`bytes a-b/*`); `answer_head` False: HEAD gets 405."""
+    no full length (`bytes a-b/*`); `answer_head` False: HEAD gets 405. `linked`: paths answered
+    as Hugging Face answers an LFS file, a 302 to another path (its storage) that declares
+    X-Linked-Size and X-Linked-Etag (each left out when None)."""
 
     files: dict[str, bytes]
     gated: set[str] = field(default_factory=set)
@@ -49,6 +54,7 @@ class HubState:
     no_length: bool = False
     open_total: bool = False
     answer_head: bool = True
+    linked: dict[str, tuple[str, int | None, str | None]] = field(default_factory=dict)
     sent: int = 0
     requests: list[dict[str, str | None]] = field(default_factory=list)
     heads: list[str] = field(default_factory=list)
@@ -63,6 +69,8 @@ class HubHandler(BaseHTTPRequestHandler):
         state.requests.append(
             {"path": self.path, "range": self.headers.get("Range"), "authorization": self.headers.get("Authorization")}
         )
+        if self.path in state.linked:
+            return self._to_storage()
         body = state.files.get(self.path)
         if body is None:
             return self._empty(404)
@@ -101,12 +109,25 @@ class HubHandler(BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:
         state = self.state
         state.heads.append(self.path)
+        if self.path in state.linked and state.answer_head:
+            return self._to_storage()
         body = state.files.get(self.path)
         if body is None or not state.answer_head:
             return self._empty(404 if body is None else 405)
         self.send_response(200)
         if not state.no_length:
             self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+
+    def _to_storage(self) -> None:
+        target, size, sha256 = self.state.linked[self.path]
+        self.send_response(302)
+        self.send_header("Location", f"http://{self.headers['Host']}{target}")
+        if size is not None:
+            self.send_header("X-Linked-Size", str(size))
+        if sha256 is not None:
+            self.send_header("X-Linked-Etag", f'"{sha256}"')
+        self.send_header("Content-Length", "0")
         self.end_headers()
 
     def _empty(self, status: int) -> None:
@@ -143,8 +164,14 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, HubState]]:
             "/acme/tiny-GGUF/resolve/main/tiny-Q8_0.gguf": PAYLOAD[:1000],
             "/acme/locked-GGUF/resolve/main/locked.gguf": PAYLOAD,
             "/mirror/plain.bin": PAYLOAD[:5000],
+            "/storage/big.gguf": PAYLOAD,
         },
         gated={"/acme/locked-GGUF/resolve/main/locked.gguf"},
+        linked={
+            LFS_PATH: ("/storage/big.gguf", len(PAYLOAD), SHA256),
+            "/acme/lfs-GGUF/resolve/main/other-hash.gguf": ("/storage/big.gguf", len(PAYLOAD), "0" * 64),
+            "/acme/lfs-GGUF/resolve/main/other-size.gguf": ("/storage/big.gguf", len(PAYLOAD) + 7, None),
+        },
     )
     handler = type("Handler", (HubHandler,), {"state": state})
     server = HubServer(("127.0.0.1", 0), handler)
@@ -208,6 +235,14 @@ def catalog(tmp_path: Path, hub: tuple[str, HubState]) -> Path:
             entry("mirrored", variant("F16", hub_file(f"{url}/mirror/", "plain.bin", 5000), True)),
             # No size in the catalog: the server's word is the check.
             entry("unsized", variant("F16", hub_file("acme/tiny-GGUF", "tiny-F16.gguf", None), True)),
+            # Neither size nor sha256 in the catalog: what the hub's redirect declares is the check.
+            entry("lfs", variant("Q4_K_M", hub_file("acme/lfs-GGUF", "big.gguf", None), True)),
+            entry("lfs-other-hash", variant("Q4_K_M", hub_file("acme/lfs-GGUF", "other-hash.gguf", None), True)),
+            entry("lfs-other-size", variant("Q4_K_M", hub_file("acme/lfs-GGUF", "other-size.gguf", None), True)),
+            entry(
+                "lfs-listed-hash",
+                variant("Q4_K_M", hub_file("acme/lfs-GGUF", "other-hash.gguf", None, f'sha256 = "{SHA256}"'), True),
+            ),
             # A package-sourced file: an installed package's own file stands in for model weights.
             entry(
                 "packaged",
@@ -298,6 +333,7 @@ def test_a_server_that_ignores_the_range_gets_the_file_from_the_start(catalog, h
 
 def test_a_part_that_is_no_prefix_of_a_shorter_remote_restarts_after_416(catalog, hub, tmp_path):
     _, state = hub
+    state.answer_head = False  # no declaration to refuse the shorter file before the GET
     (tmp_path / "tiny-Q8_0.gguf.part").write_bytes(b"x" * 999)
     state.files["/acme/tiny-GGUF/resolve/main/tiny-Q8_0.gguf"] = PAYLOAD[:900]
     with pytest.raises(CommandError, match="is 900 bytes, the catalog lists 1000"):
@@ -308,6 +344,11 @@ def test_a_part_that_is_no_prefix_of_a_shorter_remote_restarts_after_416(catalog
 
 def test_a_remote_file_of_another_size_is_refused(catalog, hub, tmp_path):
     _, state = hub
+    with pytest.raises(CommandError, match=f"is {len(PAYLOAD)} bytes, the catalog lists {len(PAYLOAD) + 1}"):
+        fetchmodels(catalog, tmp_path, "wrong-size")
+    # The HEAD that asked for its sha256 declared the size: refused before any GET.
+    assert not (tmp_path / "tiny-F16.gguf").exists() and state.requests == [] and state.sent == 0
+    state.answer_head = False
     with pytest.raises(CommandError, match=f"is {len(PAYLOAD)} bytes, the catalog lists {len(PAYLOAD) + 1}"):
         fetchmodels(catalog, tmp_path, "wrong-size")
     assert not (tmp_path / "tiny-F16.gguf").exists() and state.sent == 0
@@ -424,10 +465,14 @@ def test_a_file_without_a_catalog_size_is_checked_against_the_content_length(cat
     assert "(already there)" in fetchmodels(catalog, tmp_path, "unsized") and len(state.requests) == 1
 
 
-def test_a_file_whose_size_changes_during_the_download_is_refused(catalog, hub, tmp_path):
+@pytest.mark.parametrize(
+    ("answer_head", "said"), [(True, "the server declared"), (False, "the server first announced")]
+)
+def test_a_file_whose_size_changes_during_the_download_is_refused(catalog, hub, tmp_path, answer_head, said):
     _, state = hub
+    state.answer_head = answer_head
     state.drops, state.after_drop = 1, {F16_PATH: PAYLOAD[: 2 << 20]}
-    with pytest.raises(CommandError, match=f"is {2 << 20} bytes, the server first announced {len(PAYLOAD)}"):
+    with pytest.raises(CommandError, match=f"is {2 << 20} bytes, {said} {len(PAYLOAD)}"):
         fetchmodels(catalog, tmp_path, "unsized")
     assert [r["range"] for r in state.requests] == [None, f"bytes={state.drop_after}-"]
     assert not (tmp_path / "tiny-F16.gguf").exists()
@@ -463,11 +508,20 @@ def test_the_next_run_resumes_an_unsized_file_when_the_server_states_its_full_le
 
 def test_an_unsized_part_the_server_gives_no_full_length_for_starts_over(catalog, hub, tmp_path):
     _, state = hub
-    state.open_total = True
+    state.open_total, state.answer_head = True, False
     (tmp_path / "tiny-F16.gguf.part").write_bytes(PAYLOAD[:1000])
     fetchmodels(catalog, tmp_path, "unsized")
     assert [r["range"] for r in state.requests] == ["bytes=1000-", None]
     assert (tmp_path / "tiny-F16.gguf").read_bytes() == PAYLOAD and not (tmp_path / "tiny-F16.gguf.part").exists()
+
+
+def test_an_unsized_part_is_resumed_when_the_head_declared_the_size(catalog, hub, tmp_path):
+    _, state = hub
+    state.open_total = True  # the 206 states no full length: the declared size is the check
+    (tmp_path / "tiny-F16.gguf.part").write_bytes(PAYLOAD[:1000])
+    assert "(downloaded)" in fetchmodels(catalog, tmp_path, "unsized")
+    assert [r["range"] for r in state.requests] == ["bytes=1000-"]
+    assert (tmp_path / "tiny-F16.gguf").read_bytes() == PAYLOAD
 
 
 def test_the_disk_check_counts_an_unsized_file_with_its_head_content_length(catalog, hub, tmp_path, monkeypatch):
@@ -488,3 +542,60 @@ def test_the_disk_check_names_an_unsized_file_it_could_not_count(catalog, hub, t
     assert state.requests == []
     # Alone, it is left out of the check, and the download shows whether it fits.
     assert "(downloaded)" in fetchmodels(catalog, tmp_path, "unsized")
+
+
+# -- what the hub declares on its redirect to storage ---------------------------------------------
+
+
+def test_a_file_the_catalog_lists_nothing_for_is_checked_against_what_the_redirect_declares(catalog, hub, tmp_path):
+    _, state = hub
+    printed = fetchmodels(catalog, tmp_path, "lfs")
+    assert (tmp_path / "big.gguf").read_bytes() == PAYLOAD and "(downloaded)" in printed
+    # The HEAD stops at the redirect, which declares the size and sha256; the GET follows it.
+    assert state.heads == [LFS_PATH]
+    assert [r["path"] for r in state.requests] == [LFS_PATH, "/storage/big.gguf"]
+
+
+def test_a_download_whose_sha256_is_not_the_declared_one_is_discarded(catalog, hub, tmp_path):
+    with pytest.raises(CommandError, match=f"sha256 {SHA256} is not the one the server declared {'0' * 64}"):
+        fetchmodels(catalog, tmp_path, "lfs-other-hash")
+    assert list(tmp_path.glob("other-hash*")) == []
+
+
+def test_a_remote_file_that_is_not_the_declared_size_is_refused_unwritten(catalog, hub, tmp_path):
+    _, state = hub
+    with pytest.raises(CommandError, match=f"is {len(PAYLOAD)} bytes, the server declared {len(PAYLOAD) + 7}"):
+        fetchmodels(catalog, tmp_path, "lfs-other-size")
+    assert list(tmp_path.glob("other-size*")) == [] and state.sent == 0
+
+
+def test_a_body_short_of_the_declared_size_is_discarded(catalog, hub, tmp_path):
+    _, state = hub
+    state.no_length = True  # nothing but the declaration says how long the file is
+    with pytest.raises(CommandError, match=f"received {len(PAYLOAD)} bytes, the server declared {len(PAYLOAD) + 7}"):
+        fetchmodels(catalog, tmp_path, "lfs-other-size")
+    assert list(tmp_path.glob("other-size*")) == [] and state.sent == len(PAYLOAD)
+
+
+def test_a_declared_sha256_other_than_the_catalogs_refuses_before_the_download(catalog, hub, tmp_path):
+    _, state = hub
+    with pytest.raises(CommandError, match=f"declares the sha256 {'0' * 64}, the catalog lists {SHA256}"):
+        fetchmodels(catalog, tmp_path, "lfs-listed-hash")
+    assert state.requests == [] and list(tmp_path.glob("other-hash*")) == []
+
+
+def test_a_part_is_resumed_through_the_redirect_against_the_declared_size(catalog, hub, tmp_path):
+    _, state = hub
+    state.open_total = True
+    (tmp_path / "big.gguf.part").write_bytes(PAYLOAD[:1000])
+    assert "(downloaded)" in fetchmodels(catalog, tmp_path, "lfs")
+    assert [r["range"] for r in state.requests] == ["bytes=1000-", "bytes=1000-"]
+    assert (tmp_path / "big.gguf").read_bytes() == PAYLOAD and not (tmp_path / "big.gguf.part").exists()
+
+
+def test_the_disk_check_counts_a_file_with_its_declared_size(catalog, hub, tmp_path, monkeypatch):
+    _, state = hub
+    monkeypatch.setattr(downloads, "_free_bytes", lambda path: 1 << 20)
+    with pytest.raises(CommandError, match=f"{len(PAYLOAD)} > {1 << 20} bytes\\)$"):
+        fetchmodels(catalog, tmp_path, "lfs")
+    assert state.heads == [LFS_PATH] and state.requests == []

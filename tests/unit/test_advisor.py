@@ -35,23 +35,105 @@ def config_of(advice: Any) -> HypnosConfig:
     return HypnosConfig.model_validate(tomllib.loads(advice.config))
 
 
-def test_it_picks_the_largest_chat_model_with_whisper_and_piper_on_a_24_gib_gpu(no_files):
+def entry_of(model_id: str) -> Any:
+    return next(e for e in CATALOG.models if e.id == model_id)
+
+
+def assert_fits(advice: Any) -> None:
+    """Every model's tier 1 share together within tier 1, the interactive ones resident there."""
+    answer = advice.as_dict()
+    assert sum(m.tier1_bytes for m in advice.plan.models) <= advice.budgets.tier1_bytes
+    assert answer["interactive_coresident"] is True
+    assert answer["interactive_bytes"] == sum(
+        m["resident_bytes"]
+        for m, planned in zip(answer["models"], advice.plan.models, strict=True)
+        if planned.interactive
+    )
+    assert answer["interactive_bytes"] <= answer["budgets"]["tier1_bytes"]
+
+
+def test_a_24_gib_gpu_gets_the_largest_gpu_chat_model_with_whisper_and_kokoro(no_files):
     advice = recommend(CATALOG, ["chat", "voice", "documents"], GPU_24G, no_files)
     answer = advice.as_dict()
     models = by_id(advice)
-    assert set(models) == {"qwen2.5-coder-1.5b", "whisper-tiny.en", "piper-joe"}
-    assert models["qwen2.5-coder-1.5b"]["serves"] == ["chat", "voice"]
-    assert models["whisper-tiny.en"]["serves"] == ["voice"] and models["piper-joe"]["serves"] == ["voice"]
+    assert answer["specs"] == ["qwen3:32b:Q4_K_M", "whisper-large-v3-turbo:fp16", "kokoro-82m:fp32"]
+    assert all(entry_of(model_id).gpu for model_id in models)
+    assert models["qwen3:32b"]["serves"] == ["chat", "voice"] and models["qwen3:32b"]["context_len"] == 8192
+    assert models["whisper-large-v3-turbo"]["serves"] == ["voice"] and models["kokoro-82m"]["serves"] == ["voice"]
     assert all(m["initial_tier"] == "tier1_gpu_vram" and not m["runs_on_cpu"] for m in models.values())
     assert answer["budgets"] == {"tier1_bytes": 24 * GIB - 512 * MIB, "tier2_bytes": 32 * GIB, "unified_memory": False}
-    assert answer["interactive_coresident"] is True
-    assert answer["interactive_bytes"] == sum(m["resident_bytes"] for m in models.values())
-    assert any(w.startswith("documents: document_conversion") for w in answer["warnings"])
-    assert answer["specs"] == ["qwen2.5-coder-1.5b:Q4_K_M", "whisper-tiny.en:fp16", "piper-joe:fp32"]
+    assert_fits(advice)
+    assert answer["warnings"] == [
+        "documents: document_conversion: no catalog model serves it; the lineup leaves it out."
+    ]
     config = config_of(advice)
-    chat = next(m for m in config.models if m.id == "qwen2.5-coder-1.5b")
-    assert chat.speech_to_text_model == "whisper-tiny.en" and chat.priority == "high"
+    chat_ = next(m for m in config.models if m.id == "qwen3:32b")
+    assert chat_.speech_to_text_model == "whisper-large-v3-turbo" and chat_.priority == "high"
+    assert (
+        next(m for m in config.models if m.id == "whisper-large-v3-turbo").weights_path
+        == "faster-whisper-large-v3-turbo"
+    )
     assert config.hardware == HardwareConfig()  # a real GPU: the server measures it
+
+
+EVERY_NEED = ["chat", "vision", "voice", "embeddings", "images", "entities"]
+
+
+def test_a_24_gib_gpu_serves_every_need_from_the_gpu_lineup(no_files):
+    advice = recommend(CATALOG, EVERY_NEED, GPU_24G, no_files)
+    answer = advice.as_dict()
+    models = by_id(advice)
+    assert all(entry_of(model_id).gpu for model_id in models) and answer["warnings"] == []
+    # One Gemma 3 27B chats and sees; the rest of tier 1 holds the speech and embedding models.
+    assert models["gemma3:27b"]["serves"] == ["chat", "vision", "voice"]
+    assert {n for m in models.values() for n in m["serves"]} == set(EVERY_NEED)
+    assert {m["id"] for m in answer["models"] if m["initial_tier"] == "tier1_gpu_vram"} == {
+        "gemma3:27b",
+        "qwen3-embedding:0.6b",
+        "whisper-small",
+        "kokoro-82m",
+    }
+    # The image and entity models wait in tier 2 (FLUX.2 klein's 15 GiB do not fit beside them).
+    assert models["flux2-klein:4b"]["serves"] == ["images"] and models["gliner-large-v2.1"]["serves"] == ["entities"]
+    assert_fits(advice)
+    config = config_of(advice)
+    gemma = next(m for m in config.models if m.id == "gemma3:27b")
+    assert gemma.aux_path == "mmproj-gemma-3-27b-it-f16.gguf" and gemma.modalities[:2] == ["vision", "text_generation"]
+    flux = next(m for m in config.models if m.id == "flux2-klein:4b")
+    assert (
+        flux.image is not None
+        and flux.image.edit
+        and flux.image.text_encoders == {"llm": "flux2-klein-4b/qwen_3_4b.safetensors"}
+    )
+
+
+def test_an_80_gib_gpu_runs_a_70b_chat_model_beside_a_vision_model(no_files):
+    machine = Machine(vram_bytes=80 * GIB, ram_bytes=256 * GIB, unified_memory=False)
+    advice = recommend(CATALOG, EVERY_NEED, machine, no_files)
+    models = by_id(advice)
+    assert all(entry_of(model_id).gpu for model_id in models) and advice.warnings == []
+    assert models["llama3.3:70b"]["serves"] == ["chat", "voice"] and models["gemma3:27b"]["serves"] == ["vision"]
+    assert models["whisper-large-v3"]["serves"] == ["voice"]
+    # The 70B model's GGUF size is listed (42.5 GB); every interactive model stays whole in tier 1.
+    assert models["llama3.3:70b"]["weights_bytes"] == 42520398816
+    assert models["llama3.3:70b"]["gpu_layers"] == models["llama3.3:70b"]["num_layers"] == 80
+    assert_fits(advice)
+
+
+@pytest.mark.parametrize(
+    "machine",
+    [LAPTOP, Machine(vram_bytes=0, ram_bytes=256 * GIB, unified_memory=False)],
+    ids=["laptop", "no-gpu-256g"],
+)
+def test_a_machine_without_a_gpu_is_never_offered_the_gpu_lineup(no_files, machine):
+    advice = recommend(CATALOG, EVERY_NEED, machine, no_files)
+    models = by_id(advice)
+    assert not any(entry_of(model_id).gpu for model_id in models)
+    assert set(models) == {"qwen2.5-coder-1.5b", "all-minilm-l6-v2", "whisper-tiny.en", "piper-joe"}
+    assert advice.warnings == [
+        "vision: vision: its catalog models are for a machine with a GPU; the lineup leaves it out.",
+        "images: image_generation: its catalog models are for a machine with a GPU; the lineup leaves it out.",
+    ]
 
 
 def test_a_laptop_without_gpu_gets_tier_1_in_host_memory_and_a_config_that_says_so(no_files):
@@ -73,14 +155,21 @@ def test_a_machine_too_small_for_any_chat_model_gets_no_lineup(no_files):
 
 
 def test_needs_that_no_catalog_model_serves_alone_get_no_lineup(no_files):
+    # Documents have no catalog model; images only GPU ones.
     with pytest.raises(NoLineup, match="No catalog model serves any of the needs"):
-        recommend(CATALOG, ["documents", "images"], GPU_24G, no_files)
+        recommend(CATALOG, ["documents", "images"], LAPTOP, no_files)
 
 
-@pytest.mark.parametrize("machine", [GPU_24G, LAPTOP], ids=["24g-gpu", "laptop-no-gpu"])
-def test_entities_go_to_the_lineups_chat_model_rather_than_a_gliner_download(no_files, machine):
-    # Qwen2.5-Coder extracts entities (additional_modalities) and outweighs GLiNER, whose files a
-    # CPU box is not likely to have: one model serves both needs.
+def test_a_gpu_gets_an_image_model_where_documents_have_none(no_files):
+    advice = recommend(CATALOG, ["documents", "images"], GPU_24G, no_files)
+    assert advice.as_dict()["specs"] == ["flux2-klein:4b:bf16"]
+    assert advice.warnings == ["documents: document_conversion: no catalog model serves it; the lineup leaves it out."]
+
+
+def test_entities_go_to_the_lineups_chat_model_rather_than_a_gliner_download(no_files):
+    # On a CPU box Qwen2.5-Coder extracts entities (additional_modalities) and outweighs GLiNER,
+    # whose files the box is not likely to have: one model serves both needs.
+    machine = LAPTOP
     advice = recommend(CATALOG, ["chat", "entities"], machine, no_files)
     assert advice.as_dict()["specs"] == ["qwen2.5-coder-1.5b:Q4_K_M"]
     assert by_id(advice)["qwen2.5-coder-1.5b"]["serves"] == ["chat", "entities"]
@@ -89,6 +178,14 @@ def test_entities_go_to_the_lineups_chat_model_rather_than_a_gliner_download(no_
     assert model.additional_modalities == ["entity_extraction"]
     alone = recommend(CATALOG, ["entities"], machine, no_files)
     assert alone.as_dict()["specs"] == ["qwen2.5-coder-1.5b:Q4_K_M"]
+
+
+def test_a_gpu_extracts_entities_with_the_gpu_lineups_gliner(no_files):
+    advice = recommend(CATALOG, ["chat", "entities"], GPU_24G, no_files)
+    models = by_id(advice)
+    assert models["gliner-large-v2.1"]["serves"] == ["entities"] and models["qwen3:32b"]["serves"] == ["chat"]
+    [block] = [m for m in config_of(advice).models if m.id == "gliner-large-v2.1"]
+    assert (block.engine, block.weights_path) == ("gliner", "gliner_large-v2.1/onnx/model_int8.onnx")
 
 
 def test_without_a_chat_model_entities_go_to_gliner_planned_from_its_estimate(no_files):
@@ -159,9 +256,11 @@ def entry(
     workspace: int = 0,
     context: int = 4096,
     engine: str = "ggml_llama",
+    gpu: bool = False,
 ) -> dict[str, Any]:
     return {
         "id": model_id,
+        "gpu": gpu,
         "name": model_id,
         "publisher": "test",
         "license": "mit",
@@ -251,6 +350,32 @@ def test_a_chat_model_that_only_partly_fits_is_split_and_scored_down(no_files):
         catalog(chat("huge", 3_000_000_000, 2500), chat("mid", 1_900_000_000, 1500)), ["chat"], GPU_2G, no_files
     )
     assert advice.as_dict()["models"][0]["id"] == "mid"
+
+
+def test_a_gpu_takes_its_lineups_model_and_the_cpu_entries_only_where_none_fits(no_files):
+    advice = recommend(
+        catalog(chat("gpu-small", 1_000_000_000, 500, gpu=True), chat("cpu", 1_500_000_000, 900)),
+        ["chat"],
+        GPU_2G,
+        no_files,
+    )
+    assert advice.as_dict()["specs"] == ["gpu-small:Q8_0"]
+    # 6000 MiB of layers: not even half of them fit the 2 GiB tier 1.
+    advice = recommend(
+        catalog(chat("gpu-huge", 9_000_000_000, 6000, gpu=True), chat("cpu", 1_500_000_000, 900)),
+        ["chat"],
+        GPU_2G,
+        no_files,
+    )
+    assert advice.as_dict()["specs"] == ["cpu:Q8_0"]
+    cpu_only = Machine(vram_bytes=0, ram_bytes=16 * GIB, unified_memory=False)
+    advice = recommend(
+        catalog(chat("gpu-small", 1_000_000_000, 500, gpu=True), chat("cpu", 1_500_000_000, 900)),
+        ["chat"],
+        cpu_only,
+        no_files,
+    )
+    assert advice.as_dict()["specs"] == ["cpu:Q8_0"]
 
 
 def test_weights_of_unknown_size_without_params_are_left_out_with_a_warning(no_files):

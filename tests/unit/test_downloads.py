@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from pydantic import ValidationError
 
@@ -157,3 +158,83 @@ def test_the_catalog_shows_an_unknown_size_as_null_and_never_outdated(tmp_path):
     assert unsized["size"] is None and unsized["present"] is True and unsized["outdated"] is False
     assert sized["size"] == 100 and sized["present"] is False
     assert set(unsized) == set(sized)
+
+
+# -- what a server declares before the download (httpx's MockTransport: no network) -------------
+
+SHA = "ab" * 32
+
+
+def head_client(answers: dict[str, httpx.Response], seen: list[httpx.Request]) -> httpx.Client:
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return answers.get(str(request.url), httpx.Response(404))
+
+    return httpx.Client(transport=httpx.MockTransport(answer))
+
+
+def test_the_hubs_redirect_to_storage_declares_size_and_sha256_and_is_not_followed():
+    seen: list[httpx.Request] = []
+    hub = "https://hub.example/acme/m-GGUF/resolve/main/m.gguf"
+    answers = {
+        hub: httpx.Response(
+            302,
+            headers={"location": "https://cdn.example/m", "x-linked-size": "123", "x-linked-etag": f'"{SHA}"'},
+        )
+    }
+    with head_client(answers, seen) as client:
+        assert downloads.declared(client, hub, {}) == downloads.Declared(size=123, sha256=SHA)
+    assert [(r.method, str(r.url)) for r in seen] == [("HEAD", hub)]
+
+
+def test_a_renamed_repositorys_relative_redirect_is_followed_to_the_declaration():
+    seen: list[httpx.Request] = []
+    old, new = "https://hub.example/old/m/resolve/main/m.gguf", "https://hub.example/new/m/resolve/main/m.gguf"
+    answers = {
+        old: httpx.Response(307, headers={"location": "/new/m/resolve/main/m.gguf"}),
+        new: httpx.Response(302, headers={"location": "https://cdn.example/m", "x-linked-size": "9"}),
+    }
+    with head_client(answers, seen) as client:
+        assert downloads.declared(client, old, {"authorization": "Bearer t"}) == downloads.Declared(size=9)
+    # The same origin keeps the token.
+    assert [r.headers.get("authorization") for r in seen] == ["Bearer t", "Bearer t"]
+
+
+def test_a_redirect_to_another_origin_is_asked_without_the_token():
+    seen: list[httpx.Request] = []
+    first, mirror = "https://hub.example/a/m/resolve/main/m.bin", "https://mirror.example/m.bin"
+    answers = {
+        first: httpx.Response(302, headers={"location": mirror}),
+        mirror: httpx.Response(200, headers={"content-length": "77"}),
+    }
+    with head_client(answers, seen) as client:
+        assert downloads.declared(client, first, {"authorization": "Bearer t"}) == downloads.Declared(size=77)
+    assert [r.headers.get("authorization") for r in seen] == ["Bearer t", None]
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        # A weak etag is still the LFS sha256.
+        ({"x-linked-size": "5", "x-linked-etag": f'W/"{SHA}"'}, downloads.Declared(size=5, sha256=SHA)),
+        # A plain file's answer: its Content-Length; its ETag (a git blob id) is no sha256.
+        ({"content-length": "40", "etag": '"' + "c" * 40 + '"'}, downloads.Declared(size=40)),
+        ({"x-linked-size": "5", "x-linked-etag": '"' + "c" * 40 + '"'}, downloads.Declared(size=5)),
+    ],
+)
+def test_a_200_declares_what_its_headers_say(headers, expected):
+    url = "https://hub.example/a/m/resolve/main/config.json"
+    with head_client({url: httpx.Response(200, headers=headers)}, []) as client:
+        assert downloads.declared(client, url, {}) == expected
+
+
+def test_a_refused_or_failed_head_declares_nothing():
+    url = "https://hub.example/a/m/resolve/main/m.gguf"
+    with head_client({url: httpx.Response(401, headers={"content-length": "3"})}, []) as client:
+        assert downloads.declared(client, url, {}) == downloads.Declared()
+
+    def fail(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    with httpx.Client(transport=httpx.MockTransport(fail)) as client:
+        assert downloads.declared(client, url, {}) == downloads.Declared()

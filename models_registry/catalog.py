@@ -112,7 +112,8 @@ class CatalogVariant(_Strict):
 
 
 class CatalogEntry(_Strict):
-    id: str
+    # No ":": `<id>:<quant>` names a variant (./run.sh models, POST /v1/models, Ollama's pull).
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     name: str
     publisher: str
     license: str

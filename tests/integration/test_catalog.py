@@ -24,7 +24,7 @@ async def test_the_catalog_lists_the_tested_models_and_what_is_installed(api):
     assert variant["files"][0]["present"] is True and variant["size_bytes"] == 98362432
     tools = (await api.get("/v1/models/catalog?modality=text_generation")).json()["data"]
     chats = [e["id"] for e in body["data"] if "text_generation" in [e["modality"], *e["additional_modalities"]]]
-    assert [e["id"] for e in tools] == chats and "gemma3:4b" in chats
+    assert [e["id"] for e in tools] == chats and "gemma3-4b" in chats
     assert {"all-minilm-l6-v2", "whisper-tiny.en", "piper-joe"} <= set(entries) - {e["id"] for e in tools}
     # A folder (the Whisper model) is present when it holds the listed bytes.
     [whisper] = entries["whisper-tiny.en"]["variants"][0]["files"]
@@ -34,7 +34,7 @@ async def test_the_catalog_lists_the_tested_models_and_what_is_installed(api):
 
 async def test_the_gpu_lineup_is_listed_with_its_hub_files_and_projectors(api):
     vision = (await api.get("/v1/models/catalog?modality=vision")).json()["data"]
-    assert [e["id"] for e in vision] == ["gemma3:4b", "gemma3:12b", "gemma3:27b", "qwen2.5-vl:7b"]
+    assert [e["id"] for e in vision] == ["gemma3-4b", "gemma3-12b", "gemma3-27b", "qwen2.5-vl-7b"]
     gemma = vision[0]
     assert (
         gemma["gpu"] is True and gemma["configured"] is False and gemma["additional_modalities"] == ["text_generation"]
@@ -49,7 +49,7 @@ async def test_the_gpu_lineup_is_listed_with_its_hub_files_and_projectors(api):
     assert ModelConfig.model_validate(model).aux_path == "mmproj-gemma-3-4b-it-f16.gguf"
     # The image settings go into the config block, not beside it.
     images = (await api.get("/v1/models/catalog?modality=image_generation")).json()["data"]
-    klein = next(e for e in images if e["id"] == "flux2-klein:4b")
+    klein = next(e for e in images if e["id"] == "flux2-klein-4b")
     assert (
         "image" not in klein["variants"][0] and "[models.image.text_encoders]" in klein["variants"][0]["config_block"]
     )

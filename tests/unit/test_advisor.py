@@ -56,9 +56,9 @@ def test_a_24_gib_gpu_gets_the_largest_gpu_chat_model_with_whisper_and_kokoro(no
     advice = recommend(CATALOG, ["chat", "voice", "documents"], GPU_24G, no_files)
     answer = advice.as_dict()
     models = by_id(advice)
-    assert answer["specs"] == ["qwen3:32b:Q4_K_M", "whisper-large-v3-turbo:fp16", "kokoro-82m:fp32"]
+    assert answer["specs"] == ["qwen3-32b:Q4_K_M", "whisper-large-v3-turbo:fp16", "kokoro-82m:fp32"]
     assert all(entry_of(model_id).gpu for model_id in models)
-    assert models["qwen3:32b"]["serves"] == ["chat", "voice"] and models["qwen3:32b"]["context_len"] == 8192
+    assert models["qwen3-32b"]["serves"] == ["chat", "voice"] and models["qwen3-32b"]["context_len"] == 8192
     assert models["whisper-large-v3-turbo"]["serves"] == ["voice"] and models["kokoro-82m"]["serves"] == ["voice"]
     assert all(m["initial_tier"] == "tier1_gpu_vram" and not m["runs_on_cpu"] for m in models.values())
     assert answer["budgets"] == {"tier1_bytes": 24 * GIB - 512 * MIB, "tier2_bytes": 32 * GIB, "unified_memory": False}
@@ -67,7 +67,7 @@ def test_a_24_gib_gpu_gets_the_largest_gpu_chat_model_with_whisper_and_kokoro(no
         "documents: document_conversion: no catalog model serves it; the lineup leaves it out."
     ]
     config = config_of(advice)
-    chat_ = next(m for m in config.models if m.id == "qwen3:32b")
+    chat_ = next(m for m in config.models if m.id == "qwen3-32b")
     assert chat_.speech_to_text_model == "whisper-large-v3-turbo" and chat_.priority == "high"
     assert (
         next(m for m in config.models if m.id == "whisper-large-v3-turbo").weights_path
@@ -85,21 +85,21 @@ def test_a_24_gib_gpu_serves_every_need_from_the_gpu_lineup(no_files):
     models = by_id(advice)
     assert all(entry_of(model_id).gpu for model_id in models) and answer["warnings"] == []
     # One Gemma 3 27B chats and sees; the rest of tier 1 holds the speech and embedding models.
-    assert models["gemma3:27b"]["serves"] == ["chat", "vision", "voice"]
+    assert models["gemma3-27b"]["serves"] == ["chat", "vision", "voice"]
     assert {n for m in models.values() for n in m["serves"]} == set(EVERY_NEED)
     assert {m["id"] for m in answer["models"] if m["initial_tier"] == "tier1_gpu_vram"} == {
-        "gemma3:27b",
-        "qwen3-embedding:0.6b",
+        "gemma3-27b",
+        "qwen3-embedding-0.6b",
         "whisper-small",
         "kokoro-82m",
     }
     # The image and entity models wait in tier 2 (FLUX.2 klein's 15 GiB do not fit beside them).
-    assert models["flux2-klein:4b"]["serves"] == ["images"] and models["gliner-large-v2.1"]["serves"] == ["entities"]
+    assert models["flux2-klein-4b"]["serves"] == ["images"] and models["gliner-large-v2.1"]["serves"] == ["entities"]
     assert_fits(advice)
     config = config_of(advice)
-    gemma = next(m for m in config.models if m.id == "gemma3:27b")
+    gemma = next(m for m in config.models if m.id == "gemma3-27b")
     assert gemma.aux_path == "mmproj-gemma-3-27b-it-f16.gguf" and gemma.modalities[:2] == ["vision", "text_generation"]
-    flux = next(m for m in config.models if m.id == "flux2-klein:4b")
+    flux = next(m for m in config.models if m.id == "flux2-klein-4b")
     assert (
         flux.image is not None
         and flux.image.edit
@@ -112,11 +112,11 @@ def test_an_80_gib_gpu_runs_a_70b_chat_model_beside_a_vision_model(no_files):
     advice = recommend(CATALOG, EVERY_NEED, machine, no_files)
     models = by_id(advice)
     assert all(entry_of(model_id).gpu for model_id in models) and advice.warnings == []
-    assert models["llama3.3:70b"]["serves"] == ["chat", "voice"] and models["gemma3:27b"]["serves"] == ["vision"]
+    assert models["llama3.3-70b"]["serves"] == ["chat", "voice"] and models["gemma3-27b"]["serves"] == ["vision"]
     assert models["whisper-large-v3"]["serves"] == ["voice"]
     # The 70B model's GGUF size is listed (42.5 GB); every interactive model stays whole in tier 1.
-    assert models["llama3.3:70b"]["weights_bytes"] == 42520398816
-    assert models["llama3.3:70b"]["gpu_layers"] == models["llama3.3:70b"]["num_layers"] == 80
+    assert models["llama3.3-70b"]["weights_bytes"] == 42520398816
+    assert models["llama3.3-70b"]["gpu_layers"] == models["llama3.3-70b"]["num_layers"] == 80
     assert_fits(advice)
 
 
@@ -162,7 +162,7 @@ def test_needs_that_no_catalog_model_serves_alone_get_no_lineup(no_files):
 
 def test_a_gpu_gets_an_image_model_where_documents_have_none(no_files):
     advice = recommend(CATALOG, ["documents", "images"], GPU_24G, no_files)
-    assert advice.as_dict()["specs"] == ["flux2-klein:4b:bf16"]
+    assert advice.as_dict()["specs"] == ["flux2-klein-4b:bf16"]
     assert advice.warnings == ["documents: document_conversion: no catalog model serves it; the lineup leaves it out."]
 
 
@@ -183,7 +183,7 @@ def test_entities_go_to_the_lineups_chat_model_rather_than_a_gliner_download(no_
 def test_a_gpu_extracts_entities_with_the_gpu_lineups_gliner(no_files):
     advice = recommend(CATALOG, ["chat", "entities"], GPU_24G, no_files)
     models = by_id(advice)
-    assert models["gliner-large-v2.1"]["serves"] == ["entities"] and models["qwen3:32b"]["serves"] == ["chat"]
+    assert models["gliner-large-v2.1"]["serves"] == ["entities"] and models["qwen3-32b"]["serves"] == ["chat"]
     [block] = [m for m in config_of(advice).models if m.id == "gliner-large-v2.1"]
     assert (block.engine, block.weights_path) == ("gliner", "gliner_large-v2.1/onnx/model_int8.onnx")
 

@@ -60,7 +60,7 @@ def test_two_entries_never_write_the_same_file_from_different_sources():
     assert {local: found for local, found in sources.items() if len(found) > 1} == {}
 
 
-@pytest.mark.parametrize("model_id", ["gemma3:4b", "gemma3:12b", "gemma3:27b", "qwen2.5-vl:7b"])
+@pytest.mark.parametrize("model_id", ["gemma3-4b", "gemma3-12b", "gemma3-27b", "qwen2.5-vl-7b"])
 def test_a_vision_model_carries_its_projector_and_chats(model_id):
     entry = next(e for e in CATALOG.models if e.id == model_id)
     [variant] = entry.variants
@@ -100,7 +100,7 @@ def test_the_image_models_write_their_image_settings_into_the_block():
     turbo = block_of(*next((e, e.variants[0]) for e in CATALOG.models if e.id == "sd-turbo"))
     assert turbo.image is not None and (turbo.image.steps, turbo.image.cfg_scale) == (4, 1.0)
     assert turbo.image_capabilities == []
-    entry = next(e for e in CATALOG.models if e.id == "flux2-klein:4b")
+    entry = next(e for e in CATALOG.models if e.id == "flux2-klein-4b")
     [variant] = entry.variants
     klein = block_of(entry, variant)
     roles = {f.role: f.local for f in variant.files}
@@ -131,3 +131,20 @@ def test_a_configured_catalog_block_names_its_variant(model_id, quant, tmp_path)
     config = HypnosConfig(server=ServerConfig(models_dir=str(tmp_path)), models=[block_of(entry, variant)])
     [row] = [r for r in describe(config, CATALOG)["data"] if r["id"] == model_id]
     assert row["configured"] is True and row["configured_quant"] == quant
+
+
+@pytest.mark.parametrize(("entry", "variant"), VARIANTS, ids=[spec(e, v) for e, v in VARIANTS])
+def test_every_variant_is_named_by_its_id_and_quant(entry, variant):
+    """`<id>:<quant>` (./run.sh models, POST /v1/models, Ollama's pull) finds exactly it: an id
+    holds no ":" that would split it."""
+    from inference.serving.ollama_pull import catalog_variant
+
+    assert catalog_variant(CATALOG, spec(entry, variant)) == (entry, variant)
+
+
+def test_an_id_with_a_colon_is_refused():
+    from pydantic import ValidationError
+
+    fields = GPU[0].model_dump() | {"id": "qwen3:8b"}
+    with pytest.raises(ValidationError, match="id"):
+        CatalogEntry.model_validate(fields)

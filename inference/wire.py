@@ -33,7 +33,8 @@ class _Work(BaseModel):
 
 
 class GenerateWork(_Work):
-    """Chat and completions (and /v1/responses): the fields of the engine's ChatWork."""
+    """Chat and completions (and /v1/responses, Anthropic's and Ollama's routes); the worker
+    runs it as the engine's ChatWork, which adds what the engine prepared."""
 
     kind: Literal["chat"] = "chat"
     messages: list[dict[str, Any]]
@@ -47,28 +48,32 @@ class GenerateWork(_Work):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repeat_penalty: float = 1.0
+    # OpenAI tool objects and "auto" | "none" | "required" | {"name": ...}.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] = "auto"
+    # A JSON schema the output must match ({} for any JSON object), enforced with a grammar.
     json_schema: dict[str, Any] | None = None
+    # Log probabilities of each sampled token, with this many alternatives (None: off).
     top_logprobs: int | None = None
+    # /v1/completions: the prompt as given, no chat template.
     raw_prompt: str | None = None
+    # The encoded images of the messages' image parts, in the order of their IMAGE_MARKERs.
     images: list[bytes] = []
+    # Thinking on (spec §7.1) and its thought-token budget (None: bounded by max_tokens only).
     think: bool = False
     thinking_budget: int | None = None
+    # The request fields an error about the prompt or the JSON schema names (the routes differ).
     prompt_param: str = "messages"
     schema_param: str = "response_format"
-    # Issue 17, POST /v1/messages/count_tokens: render and tokenise the prompt exactly as a
-    # generation would, answer its token count in Done.usage, generate nothing.
+    # POST /v1/messages/count_tokens: render and tokenise the prompt exactly as a generation
+    # would, answer its token count in Done.usage, generate nothing.
     count_only: bool = False
 
     def chat_work(self) -> ChatWork:
-        """The engine's ChatWork of these fields (worker side)."""
+        """The engine's ChatWork of this request (worker side): the same fields, already valid."""
         from inference.engines.base import ChatWork
 
-        return ChatWork(**{name: getattr(self, name) for name in _CHAT_FIELDS})
-
-
-_CHAT_FIELDS = tuple(name for name in GenerateWork.model_fields if name != "kind")
+        return ChatWork.model_construct(**dict(self))
 
 
 class EmbedWork(_Work):

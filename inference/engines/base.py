@@ -12,9 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from pydantic import ConfigDict, InstanceOf
+
 from hypnos_site.config import LimitsConfig, ModelConfig
 from inference.entities import Span
 from inference.transcripts import Transcript
+from inference.wire import GenerateWork
 from memory.kv_park import ParkedState
 from memory.planner import Footprint
 
@@ -55,44 +58,6 @@ class LoadPhases:
         }
 
 
-@dataclass
-class ChatWork:
-    """One chat request as the worker receives it (already validated by the web process)."""
-
-    messages: list[dict[str, Any]]
-    max_tokens: int
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    num_ctx: int | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repeat_penalty: float = 1.0
-    # OpenAI tool objects and "auto" | "none" | "required" | {"name": ...}.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] = "auto"
-    # A JSON schema the output must match ({} for any JSON object), enforced with a grammar.
-    json_schema: dict[str, Any] | None = None
-    # Log probabilities of each sampled token, with this many alternatives (None: off).
-    top_logprobs: int | None = None
-    # /v1/completions: the prompt as given, no chat template.
-    raw_prompt: str | None = None
-    # The encoded images of the messages' image parts, in the order of their IMAGE_MARKERs.
-    images: list[bytes] = field(default_factory=list)
-    # Thinking on (spec §7.1) and its thought-token budget (None: bounded by max_tokens only).
-    think: bool = False
-    thinking_budget: int | None = None
-    # The request fields an error about the prompt or the JSON schema names (the routes differ).
-    prompt_param: str = "messages"
-    schema_param: str = "response_format"
-    # POST /v1/messages/count_tokens: prepared (rendered, tokenised) and counted, never run.
-    count_only: bool = False
-    # Set by the engine's prepare_chat in the worker, never sent by the web process.
-    prepared: PreparedPrompt | None = None
-
-
 @dataclass(frozen=True)
 class TranscribeOptions:
     """A transcription's request fields, as Engine.transcribe reads them."""
@@ -111,6 +76,16 @@ class PreparedPrompt:
     tokens: list[int] | None
     # The engine's own plan (template output, grammar, tool handling).
     plan: Any = None
+
+
+class ChatWork(GenerateWork):
+    """One chat as the worker runs it: the request's GenerateWork (its fields are defined there
+    once) and what the engine's prepare_chat made of it."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    # Set by prepare_chat in the worker, never sent by the web process.
+    prepared: InstanceOf[PreparedPrompt] | None = None
 
 
 @dataclass

@@ -261,7 +261,7 @@ class LlamaEngine(Engine):
         plan = self._prompt(llm, work, limits)
         if work.images:
             # The projector tokenises the images with the text and checks the context (vision.py).
-            return replace(work, prepared=PreparedPrompt(None, plan))
+            return work.model_copy(update={"prepared": PreparedPrompt(None, plan)})
         try:
             text = plan.prompt.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -272,7 +272,7 @@ class LlamaEngine(Engine):
         tokens = llm.tokenize(text, add_bos=plan.add_bos, special=plan.special)
         if not tokens:
             raise InvalidRequest("The prompt is empty.", param=work.prompt_param)
-        return replace(work, prepared=PreparedPrompt(tokens, plan))
+        return work.model_copy(update={"prepared": PreparedPrompt(tokens, plan)})
 
     def check_context(self, work: ChatWork) -> None:
         tokens = work.prepared.tokens if work.prepared is not None else None
@@ -506,7 +506,7 @@ class LlamaEngine(Engine):
         if choice == "auto" and self.model.tool_router:
             routed = self._route(llm, work.messages, tools)
             if routed is None:
-                return self._prompt(llm, replace(work, tool_choice="none"), limits)
+                return self._prompt(llm, work.model_copy(update={"tool_choice": "none"}), limits)
             choice = routed
         if choice == "auto":
             return _PromptPlan(prompt, tool_names=names)

@@ -137,14 +137,15 @@ def test_the_control_ops_are_the_workers():
     assert set(typing.get_args(wire.ControlOp)) == set(CONTROL_OPS) | set(POOL_OPS)
 
 
-def test_the_chat_work_has_every_field_of_the_engines():
-    from dataclasses import fields
-
-    from inference.engines.base import ChatWork
+def test_the_engines_chat_work_is_the_wires_with_what_the_engine_prepared():
+    from inference.engines.base import ChatWork, PreparedPrompt
 
     work = wire.GenerateWork(messages=[], max_tokens=3, raw_prompt="Once", prompt_param="prompt").chat_work()
     assert isinstance(work, ChatWork) and work.raw_prompt == "Once" and work.prompt_param == "prompt"
-    assert {f.name for f in fields(ChatWork)} - set(wire.GenerateWork.model_fields) == {"prepared"}
+    # The fields are GenerateWork's (written once), plus the engine's own.
+    assert set(ChatWork.model_fields) - set(wire.GenerateWork.model_fields) == {"prepared"}
+    prepared = work.model_copy(update={"prepared": PreparedPrompt([1, 2], None)})
+    assert prepared.prepared is not None and prepared.prepared.tokens == [1, 2] and work.prepared is None
 
 
 def test_a_control_op_takes_only_its_own_typed_args():

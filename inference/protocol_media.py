@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -27,15 +27,69 @@ def input_texts(value: str | list[str]) -> list[str]:
     return texts
 
 
+def input_token_ids(value: list[list[int]]) -> list[list[int]]:
+    """Token-id arrays of an embedding request, refused when there are none, one is empty or
+    holds a negative id (the worker checks the top of the model's vocabulary)."""
+    if not value:
+        raise InvalidRequest("input must not be empty", param="input")
+    for index, ids in enumerate(value):
+        if not ids:
+            raise InvalidRequest(f"input[{index}] is an empty array of token ids", param="input")
+        if min(ids) < 0:
+            raise InvalidRequest(f"input[{index}] holds the negative token id {min(ids)}", param="input")
+    return value
+
+
+def _is_token_id(item: object) -> bool:
+    return isinstance(item, int) and not isinstance(item, bool)
+
+
 class EmbeddingRequest(_Wire):
+    """POST /v1/embeddings. `input` takes OpenAI's four shapes: a string, an array of strings,
+    an array of token ids, an array of arrays of token ids (what LangChain's OpenAIEmbeddings
+    sends by default). Token ids are the served model's own, as vLLM and llama.cpp's server
+    read them."""
+
     model: str = Field(min_length=1)
-    input: str | list[str]
+    input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
 
-    def texts(self) -> list[str]:
-        return input_texts(self.input)
+    @field_validator("input", mode="before")
+    @classmethod
+    def _one_shape(cls, value: Any) -> Any:
+        # One message naming `input`, not four (one per shape of the union, each named by its type).
+        if isinstance(value, str) or value == []:
+            return value
+        if isinstance(value, list):
+            if all(isinstance(item, str) for item in value) or all(_is_token_id(item) for item in value):
+                return value
+            if all(isinstance(item, list) for item in value):
+                for index, ids in enumerate(value):
+                    if not all(_is_token_id(item) for item in ids):
+                        raise ValueError(f"input[{index}] must be an array of token ids (integers)")
+                return value
+            raise ValueError(
+                "input is an array of strings, of token ids (integers) or of arrays of token ids, "
+                "not an array mixing them"
+            )
+        raise ValueError(
+            "input must be a string, an array of strings, an array of token ids (integers) or an "
+            "array of arrays of token ids"
+        )
+
+    def inputs(self) -> list[str] | list[list[int]]:
+        """The inputs as a list of texts or of token-id arrays; 400 naming `input` when empty."""
+        if isinstance(self.input, str):
+            return input_texts(self.input)
+        # One shape per array (_one_shape): at most one of these holds anything.
+        texts = [item for item in self.input if isinstance(item, str)]
+        ids = [item for item in self.input if isinstance(item, int)]
+        arrays = [item for item in self.input if isinstance(item, list)]
+        if ids:
+            return input_token_ids([ids])
+        return input_token_ids(arrays) if arrays else input_texts(texts)
 
 
 class EntityRequest(_Wire):

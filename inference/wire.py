@@ -77,8 +77,11 @@ class GenerateWork(_Work):
 
 
 class EmbedWork(_Work):
+    """Texts, or token-id arrays of the model's own vocabulary (evaluated as given: no special
+    tokens added)."""
+
     kind: Literal["embed"] = "embed"
-    input: list[str]
+    input: list[str] | list[list[int]]
 
 
 class TranscribeWork(_Work):

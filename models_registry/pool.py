@@ -3,6 +3,7 @@ read as one [[models]] block, from the catalog or as TOML, and the startup check
 
 from __future__ import annotations
 
+import logging
 import tomllib
 from pathlib import Path
 
@@ -11,6 +12,9 @@ from pydantic import ValidationError
 from hypnos_site.config import ArchConfig, HypnosConfig, ModelConfig
 from memory.gguf import GgufError, read_gguf
 from models_registry.catalog import Catalog, UnknownSpec, config_block, find_variant
+from models_registry.llama_check import llama_cpp_refusal
+
+log = logging.getLogger(__name__)
 
 
 class PoolCheckFailed(ValueError):
@@ -52,9 +56,11 @@ def model_from_block(text: str, model_id: str | None = None) -> ModelConfig:
 
 
 def check_model(config: HypnosConfig, model: ModelConfig, catalog: Catalog | None) -> ModelConfig:
-    """The startup checks: files inside the allowed folders, a readable GGUF of a tested architecture for
-    llama.cpp models, [models.arch] agreeing with the file. Returns the model with the arch
-    values it left out filled from the GGUF; raises PoolCheckFailed with every reason."""
+    """The startup checks: files inside the allowed folders and, for llama.cpp models, a GGUF this
+    build of llama.cpp loads (any architecture it knows; one outside the catalog's
+    tested_architectures is logged as untested), [models.arch] agreeing with the file. Returns
+    the model with the arch values it left out filled from the GGUF; raises PoolCheckFailed
+    with every reason."""
     reasons: list[str] = []
     weights = _weights_inside(config, model, reasons)
     if weights is None or model.engine != "ggml_llama":
@@ -74,14 +80,28 @@ def check_model(config: HypnosConfig, model: ModelConfig, catalog: Catalog | Non
     for key, given in model.arch.model_dump(exclude_none=True).items():
         if given != getattr(found, key):
             reasons.append(f"[models.arch] {key} = {given!r}, but the GGUF reports {getattr(found, key)!r}")
-    if catalog is not None and found.architecture not in catalog.tested_architectures:
-        reasons.append(
-            f"the GGUF's architecture {found.architecture!r} is not one of the catalog's tested_architectures "
-            f"({', '.join(catalog.tested_architectures)})"
-        )
+    refusal = llama_cpp_refusal(weights)
+    if refusal is not None:
+        reasons.append(_refusal_reason(model, found.architecture, refusal))
     if reasons:
         raise PoolCheckFailed(reasons)
+    if catalog is not None and found.architecture not in catalog.tested_architectures:
+        # llama.cpp loads it, so it may serve; the catalog's tests never ran on it.
+        log.warning(
+            "model %s: architecture %r is not one of the catalog's tested_architectures (%s); llama.cpp loads it",
+            model.id,
+            found.architecture,
+            ", ".join(catalog.tested_architectures),
+        )
     return model.model_copy(update={"arch": found})
+
+
+def _refusal_reason(model: ModelConfig, architecture: str | None, refusal: str) -> str:
+    # llama.cpp's words for an architecture it has no code for: "unknown model architecture:
+    # 'x'" (a name it has never heard of) and "unsupported model architecture: 'x'".
+    if architecture and f"model architecture: '{architecture}'" in refusal:
+        return f"the GGUF's architecture {architecture!r} is not one this build of llama.cpp knows ({refusal})"
+    return f"llama.cpp cannot load {model.weights_path} ({refusal})"
 
 
 def _weights_inside(config: HypnosConfig, model: ModelConfig, reasons: list[str]) -> Path | None:

@@ -1,17 +1,19 @@
-"""POST /v1/embeddings (spec §8, compat.md): one vector per input, in input order, as JSON floats
-or as base64 little-endian float32 (what the OpenAI SDKs ask for by default)."""
+"""POST /v1/embeddings (spec §8, compat.md): one vector per input (a text or an array of the
+model's token ids), in input order, as JSON floats or as base64 little-endian float32 (what the
+OpenAI SDKs ask for by default)."""
 
 from __future__ import annotations
 
 import array
-import asyncio
 import base64
 import sys
 
 from django.conf import settings
 from django.http import HttpResponseBase, JsonResponse
 
+from hypnos_site.errors import InvalidRequest
 from inference.client import InferenceClient
+from inference.deadline import within
 from inference.protocol_media import EmbeddingRequest
 from inference.serving.chat import check_prompt_chars, request_timed_out
 from inference.serving.context import RequestContext, resolve_model, start_call, with_wait_estimate
@@ -19,13 +21,13 @@ from inference.wire import Embedded, EmbedWork
 
 
 async def create_embeddings(client: InferenceClient, body: EmbeddingRequest, ctx: RequestContext) -> HttpResponseBase:
-    texts = body.texts()
+    inputs = body.inputs()
     model = await resolve_model(client, body.model, ctx)
-    check_prompt_chars(sum(len(t) for t in texts), "input")
+    _check_size(inputs)
     timeout = settings.HYPNOS.limits.request_timeout_secs
     try:
-        call, _started = await asyncio.wait_for(start_call(client, model, EmbedWork(input=texts), ctx), timeout)
-        drained = await asyncio.wait_for(call.drain(), timeout)
+        call, _started = await within(start_call(client, model, EmbedWork(input=inputs), ctx), timeout)
+        drained = await within(call.drain(), timeout)
     except TimeoutError:
         return request_timed_out(timeout)
     base64_out = body.encoding_format == "base64"
@@ -48,6 +50,20 @@ async def create_embeddings(client: InferenceClient, body: EmbeddingRequest, ctx
         ),
         call,
     )
+
+
+def _check_size(inputs: list[str] | list[list[int]]) -> None:
+    """limits.max_prompt_chars over the texts, or over the token ids (each stands for at least
+    one character of a text)."""
+    size = sum(len(i) for i in inputs)
+    if inputs and isinstance(inputs[0], str):
+        check_prompt_chars(size, "input")
+        return
+    limit = settings.HYPNOS.limits.max_prompt_chars
+    if size > limit:
+        raise InvalidRequest(
+            f"The input holds {size} token ids, above limits.max_prompt_chars ({limit}).", param="input"
+        )
 
 
 def _floats(raw: bytes) -> list[float]:

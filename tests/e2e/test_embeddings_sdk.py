@@ -41,3 +41,17 @@ def test_a_batch_gives_exactly_the_single_vectors(server):
 def test_an_embedding_call_to_a_chat_model_is_the_sdks_bad_request(server):
     with pytest.raises(openai.BadRequestError):
         sdk(server).embeddings.create(model="smollm2-135m", input="hello")
+
+
+def test_token_id_arrays_give_the_vectors_of_their_texts(server):
+    """What LangChain's OpenAIEmbeddings sends by default: arrays of token ids, here all-MiniLM's
+    own ([CLS] a man is eating food . [SEP], as its tokenizer.json gives them)."""
+    client = sdk(server)
+    ids = [101, 1037, 2158, 2003, 5983, 2833, 1012, 102]
+    by_ids = client.embeddings.create(model="all-minilm-l6-v2", input=[ids, ids[:-1]])
+    by_text = client.embeddings.create(model="all-minilm-l6-v2", input=SENTENCES[0])
+    assert by_ids.data[0].embedding == by_text.data[0].embedding
+    assert by_ids.data[1].embedding != by_text.data[0].embedding
+    assert by_ids.usage.prompt_tokens == 15 and by_text.usage.prompt_tokens == 8
+    with pytest.raises(openai.BadRequestError, match="outside the model's vocabulary"):
+        client.embeddings.create(model="all-minilm-l6-v2", input=[[101, 30522, 102]])

@@ -531,7 +531,18 @@ FIELD_OVERRIDES: dict[str, st.SearchStrategy[Any]] = {
 MODEL_FIELD_OVERRIDES: dict[str, st.SearchStrategy[Any]] = {
     "ResponsesRequest.input": st.one_of(WORDS, responses_items),
     "SpeechRequest.input": WORDS,
-    "EmbeddingRequest.input": st.one_of(WORDS, st.lists(WORDS, max_size=3), st.just(""), st.just([])),
+    # OpenAI's four shapes: texts, and token ids (all-MiniLM's vocabulary is 30522 ids: some
+    # drawn here are outside it, and some are negative), plus empty and mixed arrays.
+    "EmbeddingRequest.input": st.one_of(
+        WORDS,
+        st.lists(WORDS, max_size=3),
+        st.lists(st.integers(-1, 30600), max_size=6),
+        st.lists(st.lists(st.integers(0, 30600), max_size=6), max_size=3),
+        st.just(""),
+        st.just([]),
+        st.just([[]]),
+        st.sampled_from([["Hi", 101], [101, "Hi"], [[101, 102], "Hi"], [[101, "Hi"]], [101.0], [True]]),
+    ),
     "DocumentConvertRequest.model": st.sampled_from([DOCLING] * 8 + [CHAT, EMBED, "nope", ""]),
     "EntityRequest.model": st.sampled_from([ENTITIES] * 8 + [CHAT, EMBED, "nope", ""]),
     "ImageGenerationRequest.model": st.sampled_from([*IMAGE_MODELS] * 4 + [CHAT, "nope", ""]),

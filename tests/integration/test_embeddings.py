@@ -80,7 +80,7 @@ async def test_the_converted_gguf_matches_a_numpy_forward_pass_of_the_safetensor
 
 
 async def test_empty_and_invalid_inputs_are_400(api):
-    for bad, param in (([], "input"), ([""], "input"), ([1, 2, 3], "input"), ("x", None)):
+    for bad, param in (([], "input"), ([""], "input"), (["a", 1], "input"), ("x", None)):
         body = {"model": MODEL, "input": bad} if param else {"model": MODEL, "input": bad, "encoding_format": "hex"}
         response = await post_json(api, URL, body)
         assert response.status_code == 400, bad
@@ -91,6 +91,67 @@ async def test_an_input_longer_than_the_context_is_400(api):
     response = await post_json(api, URL, {"model": MODEL, "input": "word " * 600})
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def token_ids(settings, text: str) -> list[int]:
+    """`text` as all-MiniLM's own tokenizer (the package's tokenizer.json) gives it: [CLS] ... [SEP]."""
+    from tokenizers import Tokenizer
+
+    model = next(m for m in settings.HYPNOS.models if m.id == MODEL)
+    tokenizer = Tokenizer.from_file(str(package_files(model)[0] / "tokenizer.json"))
+    tokenizer.no_padding()
+    return tokenizer.encode(text).ids
+
+
+async def test_the_token_ids_of_a_text_give_exactly_its_vector_and_usage(api, settings):
+    ids = [token_ids(settings, s) for s in SENTENCES]
+    assert ids[0] == [101, 1037, 2158, 2003, 5983, 2833, 1012, 102]  # [CLS] a man is eating food . [SEP]
+    as_texts = await embed(api, SENTENCES)
+    as_ids = await embed(api, ids)
+    assert [d["embedding"] for d in as_ids["data"]] == [d["embedding"] for d in as_texts["data"]]
+    tokens = sum(map(len, ids))
+    assert as_ids["usage"] == as_texts["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    # One array of ids is one input, as one string is.
+    single = await embed(api, ids[0])
+    assert single["data"][0]["embedding"] == as_texts["data"][0]["embedding"] and single["usage"]["prompt_tokens"] == 8
+
+
+async def test_token_ids_are_taken_as_given_without_special_tokens_added(api):
+    # Without [CLS] and [SEP] the same words are another sequence: another vector, fewer tokens.
+    bare = await embed(api, [[1037, 2158, 2003, 5983, 2833, 1012]])
+    framed = await embed(api, [[101, 1037, 2158, 2003, 5983, 2833, 1012, 102]])
+    assert bare["usage"]["prompt_tokens"] == 6 and framed["usage"]["prompt_tokens"] == 8
+    assert bare["data"][0]["embedding"] != framed["data"][0]["embedding"]
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ([[101, 30522, 102]], "input[0] holds the token id 30522, outside the model's vocabulary (0 to 30521)"),
+        ([[101, 102], [101, 2**40]], "input[1] holds the token id 1099511627776"),
+        ([101, -5, 102], "negative token id -5"),
+        ([[]], "input[0] is an empty array of token ids"),
+        (["A man.", 1012], "not an array mixing them"),
+        ([[101, 102], "A man."], "not an array mixing them"),
+        ([[101, 1.5]], "input[0] must be an array of token ids"),
+    ],
+)
+async def test_token_ids_outside_the_vocabulary_empty_or_mixed_are_400_naming_input(api, bad, message):
+    response = await post_json(api, URL, {"model": MODEL, "input": bad})
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "input"
+    assert message in error["message"]
+
+
+async def test_token_ids_longer_than_the_context_are_the_400_of_a_long_text(api):
+    by_ids = await post_json(api, URL, {"model": MODEL, "input": [[101] + [2773] * 600 + [102]]})
+    by_text = await post_json(api, URL, {"model": MODEL, "input": "word " * 600})
+    assert by_ids.status_code == by_text.status_code == 400
+    # "word " * 600 is [CLS] + 600 x "word" + [SEP], the same 602 tokens.
+    assert by_ids.json()["error"] == by_text.json()["error"]
+    assert by_ids.json()["error"]["code"] == "context_length_exceeded"
+    assert "Input 0 is 602 tokens but the model's context is 512 tokens." in by_ids.json()["error"]["message"]
 
 
 async def test_a_chat_model_is_refused_for_embeddings(api):

@@ -322,6 +322,14 @@ async def test_embed_gives_the_vectors_of_v1_embeddings(api):
     assert older.json() == {"embedding": ollama["embeddings"][0]}
 
 
+async def test_embed_takes_texts_only_as_ollama_does_not_the_token_ids_of_v1_embeddings(api):
+    for ids in ([101, 1037, 102], [[101, 1037, 102]]):
+        refused = await post_json(api, "/api/embed", {"model": EMBED, "input": ids})
+        assert refused.status_code == 400, refused.content
+        assert "input" in refused.json()["error"]
+        assert (await post_json(api, "/v1/embeddings", {"model": EMBED, "input": ids})).status_code == 200
+
+
 async def test_embed_dimensions_cut_the_vector_and_normalize_it_again(api):
     body = {"model": EMBED, "input": "A man is eating food."}
     full = (await post_json(api, "/api/embed", body)).json()["embeddings"][0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import struct
 from pathlib import Path
 from typing import Any
@@ -129,12 +130,114 @@ def tiny_gguf(path: Path, architecture: str) -> None:
     )
 
 
-async def test_a_gguf_of_an_untested_architecture_is_refused(api, pool, settings, tmp_path):
+# GGUF value types: their scalar struct formats; 8 = string, 9 = array.
+GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def renamed_gguf(source: Path, dest: Path, architecture: str) -> None:
+    """A copy of a real GGUF that says it is of `architecture`: general.architecture rewritten,
+    the old architecture's keys (`llama.block_count`, ...) renamed under the new name, where
+    llama.cpp looks for them; the tensors byte for byte."""
+    data = memoryview(source.read_bytes())
+    pos = 24
+    n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
+
+    def string_at(at: int) -> tuple[bytes, int]:
+        (length,) = struct.unpack_from("<Q", data, at)
+        return bytes(data[at + 8 : at + 8 + length]), at + 8 + length
+
+    def value_end(vtype: int, at: int) -> int:
+        if vtype == 8:
+            return string_at(at)[1]
+        if vtype == 9:
+            item_type, count = struct.unpack_from("<IQ", data, at)
+            at += 12
+            for _ in range(count):
+                at = value_end(item_type, at)
+            return at
+        return at + struct.calcsize("<" + GGUF_SCALARS[vtype])
+
+    kvs, old, alignment = [], b"", 32
+    for _ in range(n_kv):
+        key, at = string_at(pos)
+        (vtype,) = struct.unpack_from("<I", data, at)
+        end = value_end(vtype, at + 4)
+        if key == b"general.architecture":
+            old = string_at(at + 4)[0]
+        if key == b"general.alignment":
+            (alignment,) = struct.unpack_from("<I", data, at + 4)
+        kvs.append((key, bytes(data[at:end])))
+        pos = end
+    infos_start = pos
+    for _ in range(n_tensors):
+        _name, at = string_at(pos)
+        (n_dims,) = struct.unpack_from("<I", data, at)
+        pos = at + 4 + 8 * n_dims + 4 + 8
+    tensor_infos = bytes(data[infos_start:pos])
+    tensor_data = data[-(-pos // alignment) * alignment :]
+    out = bytearray(data[:24])
+    new = architecture.encode()
+    for key, value in kvs:
+        if key == b"general.architecture":
+            value = struct.pack("<IQ", 8, len(new)) + new
+        elif key.startswith(old + b"."):
+            key = new + key[len(old) :]
+        out += struct.pack("<Q", len(key)) + key + value
+    out += tensor_infos
+    out += bytes(-len(out) % alignment)
+    with dest.open("wb") as f:
+        f.write(out)
+        f.write(tensor_data)
+
+
+def smol_file(settings) -> Path:
+    return settings.HYPNOS.weights_file(settings.HYPNOS.models[0])
+
+
+async def test_a_gguf_of_an_architecture_llama_cpp_does_not_know_is_refused_naming_it(api, pool, settings, tmp_path):
+    renamed_gguf(smol_file(settings), tmp_path / "odd.gguf", "gpt9")
     with_server(settings, models_dir=str(tmp_path))
-    tiny_gguf(tmp_path / "odd.gguf", "gpt9")
     refused = await post_json(api, "/v1/models", {"config": qwen_block().replace(QWEN_FILE, "odd.gguf")})
-    assert refused.status_code == 400
-    assert "architecture 'gpt9' is not one of the catalog's tested_architectures" in refused.json()["error"]["message"]
+    assert refused.status_code == 400, refused.content
+    error = refused.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "config"
+    assert "the GGUF's architecture 'gpt9' is not one this build of llama.cpp knows" in error["message"]
+    assert "unknown model architecture: 'gpt9'" in error["message"]  # llama.cpp's own words
+    assert list(pool.models) == [SMOL]
+
+
+async def test_the_check_is_a_llama_cpp_load_not_a_list_of_names(api, pool, settings, tmp_path):
+    # A known architecture whose file holds no vocabulary: llama.cpp's reason, not a name check.
+    with_server(settings, models_dir=str(tmp_path))
+    tiny_gguf(tmp_path / "empty.gguf", "llama")
+    refused = await post_json(api, "/v1/models", {"config": qwen_block().replace(QWEN_FILE, "empty.gguf")})
+    assert refused.status_code == 400, refused.content
+    message = refused.json()["error"]["message"]
+    assert "llama.cpp cannot load empty.gguf (error loading model vocabulary: key not found in model: " in message
+
+
+async def test_a_gguf_of_a_known_but_untested_architecture_joins_the_pool_and_serves(
+    api, pool, settings, tmp_path, caplog
+):
+    """SmolLM2 (llama) relabelled mistral3, an architecture llama.cpp builds from the same tensors
+    and hyperparameters but the catalog has never tested: accepted, logged as untested, served,
+    and by llama.cpp's mistral3 code the same greedy answer as SmolLM2's own."""
+    weights = tmp_path / "smol-mistral3.gguf"
+    renamed_gguf(smol_file(settings), weights, "mistral3")
+    with_server(settings, model_paths=[str(tmp_path)])
+    block = qwen_block().replace(QWEN_FILE, str(weights)).replace("my-qwen", "smol-m3")
+    with caplog.at_level(logging.WARNING, logger="models_registry.pool"):
+        added = await post_json(api, "/v1/models", {"config": block})
+    assert added.status_code == 201, added.content
+    arch = pool.models["smol-m3"].config.arch
+    assert (arch.architecture, arch.context_length, arch.block_count) == ("mistral3", 8192, 30)
+    assert "architecture 'mistral3' is not one of the catalog's tested_architectures" in caplog.text
+    greedy = {"messages": PARIS_MESSAGES, "max_tokens": 8, "temperature": 0}
+    relabelled = await post_json(api, URL, {"model": "smol-m3", **greedy})
+    original = await post_json(api, URL, {"model": SMOL, **greedy})
+    assert relabelled.status_code == original.status_code == 200, relabelled.content
+    answer = relabelled.json()["choices"][0]["message"]["content"]
+    assert answer and answer == original.json()["choices"][0]["message"]["content"]
 
 
 async def test_a_replacement_under_load_fails_no_request_and_unloads_the_old_model(api, pool):

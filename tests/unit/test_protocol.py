@@ -4,6 +4,7 @@ import pytest
 
 from hypnos_site.errors import InvalidRequest
 from inference.protocol import ChatCompletionRequest, parse_body
+from inference.protocol_media import EmbeddingRequest
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -47,3 +48,42 @@ def test_more_than_four_stops_is_a_400():
     body = parse_body(ChatCompletionRequest, BASE | {"stop": ["a", "b", "c", "d", "e"]})
     with pytest.raises(InvalidRequest):
         body.stop_list()
+
+
+@pytest.mark.parametrize(
+    ("given", "inputs"),
+    [
+        ("hi", ["hi"]),
+        (["hi", "there"], ["hi", "there"]),
+        ([101, 7592, 102], [[101, 7592, 102]]),
+        ([[101, 7592, 102], [101, 102]], [[101, 7592, 102], [101, 102]]),
+    ],
+)
+def test_an_embedding_input_of_each_openai_shape_becomes_a_list_of_texts_or_of_token_arrays(given, inputs):
+    assert parse_body(EmbeddingRequest, {"model": "m", "input": given}).inputs() == inputs
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ([], "input must not be empty"),
+        ([""], "input[0] is an empty string"),
+        ([[]], "input[0] is an empty array of token ids"),
+        ([[101, 102], []], "input[1] is an empty array of token ids"),
+        ([101, -1], "negative token id -1"),
+        (["hi", 101], "not an array mixing them"),
+        ([101, "hi"], "not an array mixing them"),
+        ([[101, 102], "hi"], "not an array mixing them"),
+        ([[101, "hi"]], "input[0] must be an array of token ids"),
+        ([[101, True]], "input[0] must be an array of token ids"),
+        ([True], "not an array mixing them"),
+        ([101.0], "not an array mixing them"),
+        ([[[101]]], "input[0] must be an array of token ids"),
+        (101, "input must be a string, an array of strings"),
+        ({"ids": [101]}, "input must be a string, an array of strings"),
+    ],
+)
+def test_an_embedding_input_of_no_openai_shape_is_a_400_naming_input(given, message):
+    with pytest.raises(InvalidRequest) as caught:
+        parse_body(EmbeddingRequest, {"model": "m", "input": given}).inputs()
+    assert caught.value.param == "input" and message in str(caught.value)

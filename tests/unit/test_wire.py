@@ -90,6 +90,7 @@ def test_it_carries_a_request_per_modality_through_msgpack_unchanged():
     works = [
         wire.GenerateWork(messages=[{"role": "user", "content": "hi"}], max_tokens=4, images=[b"\x89PNG"]),
         wire.EmbedWork(input=["a", "b"]),
+        wire.EmbedWork(input=[[101, 7592, 102], [101, 102]]),
         wire.TranscribeWork(audio="UklGRg==", language="en"),
         wire.SpeechWork(input="Hello.", voice="alloy"),
         wire.ImageWork(

@@ -60,9 +60,12 @@ def _reason(errors: list[str]) -> str:
 
 
 def _install_callback(llama_cpp: Any) -> None:
+    """Set the log callback for this check. Set again on every check: other code may have set
+    its own since (a test capturing llama.cpp's log puts llama-cpp-python's back after it)."""
     global _callback
     with _install_lock:
         if _callback is not None:
+            llama_cpp.llama_log_set(_callback, ctypes.c_void_p(0))
             return
         from llama_cpp import _logger
 

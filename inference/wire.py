@@ -14,16 +14,13 @@ pydantic TypeAdapter over the discriminated union) runs only where messages leav
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from hypnos_site.errors import HypnosError, ServerError
 from inference.entities import Span
 from inference.transcripts import Transcript
-
-if TYPE_CHECKING:
-    from inference.engines.base import ChatWork
 
 # -- work ------------------------------------------------------------------------------------
 
@@ -68,12 +65,6 @@ class GenerateWork(_Work):
     # POST /v1/messages/count_tokens: render and tokenise the prompt exactly as a generation
     # would, answer its token count in Done.usage, generate nothing.
     count_only: bool = False
-
-    def chat_work(self) -> ChatWork:
-        """The engine's ChatWork of this request (worker side): the same fields, already valid."""
-        from inference.engines.base import ChatWork
-
-        return ChatWork.model_construct(**dict(self))
 
 
 class EmbedWork(_Work):

@@ -112,8 +112,7 @@ class CatalogVariant(_Strict):
 
 
 class CatalogEntry(_Strict):
-    # No ":": `<id>:<quant>` names a variant (./run.sh models, POST /v1/models, Ollama's pull).
-    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    id: str
     name: str
     publisher: str
     license: str

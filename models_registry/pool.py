@@ -12,7 +12,6 @@ from pydantic import ValidationError
 from hypnos_site.config import ArchConfig, HypnosConfig, ModelConfig
 from memory.gguf import GgufError, read_gguf
 from models_registry.catalog import Catalog, UnknownSpec, config_block, find_variant
-from models_registry.llama_check import llama_cpp_refusal
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +79,9 @@ def check_model(config: HypnosConfig, model: ModelConfig, catalog: Catalog | Non
     for key, given in model.arch.model_dump(exclude_none=True).items():
         if given != getattr(found, key):
             reasons.append(f"[models.arch] {key} = {given!r}, but the GGUF reports {getattr(found, key)!r}")
+    # Here, not at the top: the web process loads libllama only when a pool change asks it.
+    from models_registry.llama_check import llama_cpp_refusal
+
     refusal = llama_cpp_refusal(weights)
     if refusal is not None:
         reasons.append(_refusal_reason(model, found.architecture, refusal))

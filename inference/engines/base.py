@@ -87,6 +87,11 @@ class ChatWork(GenerateWork):
     # Set by prepare_chat in the worker, never sent by the web process.
     prepared: InstanceOf[PreparedPrompt] | None = None
 
+    @classmethod
+    def of(cls, work: GenerateWork) -> ChatWork:
+        """The request's work as the engine runs it: the same fields, already valid."""
+        return cls.model_construct(**dict(work))
+
 
 @dataclass
 class ImageSpec:

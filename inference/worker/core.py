@@ -261,7 +261,7 @@ class Worker:
                         f"The model {runtime.config.id!r} serves {runtime.config.modality}, not chat completions.",
                         param="model",
                     )
-                work = request.work.chat_work()
+                work = ChatWork.of(request.work)
                 self._check_capabilities(runtime, work)
             estimate = self._admit(runtime, request.deadline_ms or self._implicit_deadline_ms())
         except PoolChanging as changing:

@@ -141,7 +141,7 @@ def test_the_control_ops_are_the_workers():
 def test_the_engines_chat_work_is_the_wires_with_what_the_engine_prepared():
     from inference.engines.base import ChatWork, PreparedPrompt
 
-    work = wire.GenerateWork(messages=[], max_tokens=3, raw_prompt="Once", prompt_param="prompt").chat_work()
+    work = ChatWork.of(wire.GenerateWork(messages=[], max_tokens=3, raw_prompt="Once", prompt_param="prompt"))
     assert isinstance(work, ChatWork) and work.raw_prompt == "Once" and work.prompt_param == "prompt"
     # The fields are GenerateWork's (written once), plus the engine's own.
     assert set(ChatWork.model_fields) - set(wire.GenerateWork.model_fields) == {"prepared"}

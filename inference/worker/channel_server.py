@@ -18,12 +18,14 @@ from pydantic import ValidationError
 from hypnos_site.errors import InvalidRequest
 from inference.client import REQUEST_CHANNEL
 from inference.deadline import within
-from inference.wire import TERMINAL, Accepted, Delta, Error, Heartbeat, decode_request, encode_event
+from inference.wire import TERMINAL, Accepted, Delta, Error, Heartbeat, Queued, decode_request, encode_event
 from inference.worker.core import Worker
 
 log = logging.getLogger(__name__)
 # After a request's first delta, the deltas that come within this long go as one message.
 DELTA_BATCH_SECS = 0.005
+# After an admission, the events that come within this long go with its `queued`.
+QUEUED_BATCH_SECS = 0.002
 RECEIVE_RETRY_SECS = 1.0
 HEARTBEAT_SECS = 0.5
 
@@ -100,11 +102,11 @@ class ChannelServer:
             await self.layer.send(reply, {"seq": seq, "events": [encode_event(e) for e in events]})
             seq += 1
 
-        await send([Accepted(worker_channel=self.own_channel)])
+        accepted = Accepted(worker_channel=self.own_channel)
         try:
             request = decode_request(message["request"])
         except (KeyError, ValidationError) as exc:
-            await send([Error.of(InvalidRequest(f"malformed worker request: {exc}"))])
+            await send([accepted, Error.of(InvalidRequest(f"malformed worker request: {exc}"))])
             return
 
         def sink(event: Any) -> None:
@@ -112,13 +114,23 @@ class ChannelServer:
 
         self.worker.submit(request, sink)
         streaming = False
+        # `accepted` goes with the first events (the admission's queued or refusal, which the
+        # worker answers at once): one message fewer per request.
+        pending: list[Any] = [accepted]
         while True:
             try:
                 first = await within(queue.get(), HEARTBEAT_SECS)
             except TimeoutError:
-                await send([Heartbeat()])
+                await send([*pending, Heartbeat()])
+                pending = []
                 continue
-            batch = _take_ready(first, queue)
+            batch = _take_ready([*pending, first], queue)
+            pending = []
+            if isinstance(batch[-1], Queued):
+                # A warm model starts within a millisecond or two of its admission: `started`
+                # (and for a short answer all of it) then shares the message.
+                await asyncio.sleep(QUEUED_BATCH_SECS)
+                batch = _take_ready(batch, queue)
             if streaming and isinstance(batch[-1], Delta):
                 # Deltas are flowing: wait a moment for more to share the message. The first goes
                 # at once (it is the client's time to first token), and so does one the end follows.

@@ -5,12 +5,13 @@ what it needs to plan it while nothing is on disk."""
 from __future__ import annotations
 
 import tomllib
+import typing
 from collections import defaultdict
 from pathlib import PurePosixPath
 
 import pytest
 
-from hypnos_site.config import BASE_DIR, HypnosConfig, ModelConfig, ServerConfig
+from hypnos_site.config import BASE_DIR, HypnosConfig, Modality, ModelConfig, ServerConfig
 from models_registry.advisor import bits_per_weight, variant_footprint
 from models_registry.catalog import CatalogEntry, CatalogVariant, config_block, describe, load_catalog
 
@@ -30,15 +31,7 @@ def spec(entry: CatalogEntry, variant: CatalogVariant) -> str:
 
 def test_the_gpu_lineup_covers_every_need_but_documents():
     served = {e.modality for e in GPU} | {m for e in GPU for m in e.additional_modalities}
-    assert served == {
-        "text_generation",
-        "vision",
-        "speech_to_text",
-        "text_to_speech",
-        "embeddings",
-        "image_generation",
-        "entity_extraction",
-    }
+    assert served == set(typing.get_args(Modality)) - {"document_conversion"}
     # Every GPU file comes from a hub (the machines the suite runs on reach none).
     assert all(f.repo is not None for e in GPU for v in e.variants for f in v.files)
 

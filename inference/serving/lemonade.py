@@ -81,15 +81,14 @@ def _loaded(model: ModelConfig, state: dict[str, Any], status: dict[str, Any], a
 
 
 def _max_models(models: Iterable[ModelConfig], max_resident: int | None) -> dict[str, int]:
-    """Lemonade's per-type caps: hardware.max_resident_models (or POST /internal/set) where set,
-    else as many as the pool has of the type (the memory budget decides which fit)."""
+    """Lemonade's per-type caps: as many as the pool has of the type (the memory budget decides
+    which fit), at most hardware.max_resident_models (or POST /internal/set) where set."""
     counts = dict.fromkeys(("llm", "embedding", "reranking", "audio", "tts", "image"), 0)
     for model in models:
         kind = LEMONADE_TYPES.get(model.modality, model.modality)
         counts[kind] = counts.get(kind, 0) + 1
-    if max_resident is not None:
-        return {kind: min(count, max_resident) if count else max_resident for kind, count in counts.items()}
-    return counts
+    cap = max_resident if max_resident is not None else max(counts.values(), default=0)
+    return {kind: min(count, cap) for kind, count in counts.items()}
 
 
 async def load(client: InferenceClient, body: LemonadeLoadRequest) -> dict[str, Any]:
@@ -132,8 +131,8 @@ async def pull(client: InferenceClient, body: LemonadePullRequest) -> HttpRespon
     verified, then added to the pool), answered as Lemonade answers: `{"status": "success"}`, or
     with `stream` its SSE events `progress` (per file), then `complete` or `error`."""
     entry, variant, planned = await asyncio.to_thread(ollama_pull.plan_pull, body.model_name)
-    lines = ollama_pull.pull_lines(client, planned, f"{entry.id}:{variant.quant}")
     name = f"{entry.id}:{variant.quant}"
+    lines = ollama_pull.pull_lines(client, planned, name)
     if not body.stream:
         async for _ in lines:
             pass

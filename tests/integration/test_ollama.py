@@ -653,6 +653,42 @@ async def test_a_download_that_fails_its_check_ends_the_stream_with_an_error_lin
     assert "smol-broken:latest" not in {m["name"] for m in (await api.get("/api/tags")).json()["models"]}
 
 
+async def test_lemonades_pull_streams_its_progress_events_then_complete_and_the_model_serves(api, pulling, smol_bytes):
+    """POST /api/v1/pull: the same download, answered as Lemonade answers."""
+    data, _ = smol_bytes
+    response = await post_json(api, "/api/v1/pull", {"model_name": PULLED, "stream": True})
+    assert response.status_code == 200 and response["content-type"].startswith("text/event-stream")
+    raw = b"".join([chunk async for chunk in response.streaming_content]).decode()
+    events = [
+        (block.split("\n")[0].removeprefix("event: "), json.loads(block.split("\n")[1].removeprefix("data: ")))
+        for block in raw.strip().split("\n\n")
+    ]
+    names = [name for name, _ in events]
+    assert names[-1] == "complete" and set(names[:-1]) == {"progress"}
+    progress = [payload for name, payload in events if name == "progress"]
+    assert all(p["file"] == "smol-pulled.gguf" and p["total_files"] == 1 for p in progress)
+    assert progress[-1]["bytes_downloaded"] == progress[-1]["bytes_total"] == len(data)
+    assert progress[-1]["percent"] == 100.0
+    assert events[-1][1] == {"status": "success", "message": f"Installed model: {PULLED}:Q4_1"}
+    assert (pulling / "smol-pulled.gguf").read_bytes() == data
+    answer = await post_json(api, "/v1/chat/completions", {"model": PULLED, "messages": PARIS, "max_tokens": 2})
+    assert answer.status_code == 200
+
+
+async def test_lemonades_pull_without_stream_answers_success_and_a_failed_check_is_an_error(api, pulling):
+    plain = await post_json(api, "/api/v1/pull", {"model_name": f"{PULLED}:Q4_1"})
+    assert plain.status_code == 200 and plain.json()["status"] == "success"
+    refused = await post_json(api, "/api/v1/pull", {"model_name": "smol-broken"})
+    assert refused.status_code == 500 and "sha256" in refused.json()["error"]["message"]
+    streamed = await post_json(api, "/api/v1/pull", {"model_name": "smol-broken", "stream": True})
+    raw = b"".join([chunk async for chunk in streamed.streaming_content]).decode()
+    last = raw.strip().split("\n\n")[-1].split("\n")
+    assert last[0] == "event: error" and "sha256" in json.loads(last[1].removeprefix("data: "))["error"]["message"]
+    assert not (pulling / "smol-broken.gguf").exists()
+    unknown = await post_json(api, "/api/v1/pull", {"model_name": "no-such-model", "stream": True})
+    assert unknown.status_code == 404
+
+
 async def test_a_requests_keep_alive_sets_when_its_model_leaves_tier_1(api):
     """Ollama's keep_alive as a duration: the model's idle unload time from the answer on,
     shown as /api/ps's expires_at, then the worker demotes it (recent_evictions: idle)."""

@@ -77,6 +77,7 @@ CONTROL_OPS = (
 # `fault` (a real native crash in a running request's thread, for the supervisor's tests)
 # exists only when the worker runs with this set to 1.
 FAULT_INJECTION_ENV = "HYPNOS_FAULT_INJECTION"
+FAULT_DELAY_SECS = 0.25
 
 
 def _changes_placement(op: str, payload: dict[str, Any]) -> bool:
@@ -123,8 +124,9 @@ class Worker:
         )
         self._cancels: dict[str, threading.Event] = {}
         self._leases: dict[str, Lease] = {}
-        # Request ids armed by the `fault` control op (FAULT_INJECTION_ENV).
-        self._faults: set[str] = set()
+        # Request ids armed by the `fault` control op (FAULT_INJECTION_ENV), each with the
+        # monotonic time from which it crashes.
+        self._faults: dict[str, float] = {}
         self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="hypnos-infer")
         self._staged = threading.Event()
         self.started_at = time.time()
@@ -291,10 +293,11 @@ class Worker:
 
     def _faulty(self, request_id: str, sink: Sink) -> Sink:
         """The request's sink, crashing the process natively (SIGSEGV) in the thread that emits
-        the request's next event once `fault` armed it: the engine's thread, mid-generation."""
+        the request's first event FAULT_DELAY_SECS after `fault` armed it: the engine's thread,
+        mid-generation."""
 
         def emit(event: Event) -> None:
-            if request_id in self._faults:
+            if time.monotonic() >= self._faults.get(request_id, math.inf):
                 log.error("request %s: fault injection, reading address 0", request_id)
                 ctypes.string_at(0)
             sink(event)
@@ -304,7 +307,9 @@ class Worker:
     def _arm_fault(self, payload: dict[str, Any]) -> dict[str, Any]:
         if os.environ.get(FAULT_INJECTION_ENV) != "1":
             raise InvalidRequest(f"fault injection is off ({FAULT_INJECTION_ENV} is not 1 on the worker)")
-        self._faults.add(payload["request_id"])
+        # The crash waits FAULT_DELAY_SECS so that the arming's own answer reaches the caller
+        # first: a crash on the very next token could beat it out of the process.
+        self._faults[payload["request_id"]] = time.monotonic() + FAULT_DELAY_SECS
         return {"armed": payload["request_id"]}
 
     def _control(self, op: str, payload: dict[str, Any], sink: Sink) -> None:
@@ -465,7 +470,7 @@ class Worker:
                 runtime.admitted -= 1
             self._cancels.pop(request_id, None)
             self._leases.pop(request_id, None)
-            self._faults.discard(request_id)
+            self._faults.pop(request_id, None)
             if final is not None:
                 sink(final)
 

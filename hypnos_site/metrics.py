@@ -14,6 +14,7 @@ Three sources, one page:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -258,6 +259,33 @@ def get_counters() -> CounterStore:
     return _memory_counters
 
 
+# The counts this process is still writing (count_later), per event loop.
+_counting: set[asyncio.Task[None]] = set()
+
+
+def count_later(observations: list[Observation], what: str) -> None:
+    """Count in the background: a response does not wait for the shared store's round trip.
+    A snapshot taken in this process waits for them first (counted)."""
+    task = asyncio.ensure_future(_count(observations, what))
+    _counting.add(task)
+    task.add_done_callback(_counting.discard)
+
+
+async def _count(observations: list[Observation], what: str) -> None:
+    try:
+        await get_counters().record(observations)
+    except Exception:
+        log.warning("counting %s failed", what, exc_info=True)
+
+
+async def counted() -> None:
+    """Wait for the counts this process's event loop is still writing."""
+    loop = asyncio.get_running_loop()
+    pending = [task for task in _counting if task.get_loop() is loop]
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
 # -- the page ---------------------------------------------------------------------------------
 
 
@@ -422,6 +450,7 @@ async def hypnos_families(with_keys: bool = True) -> list[Metric]:
     labels name every key of the server)."""
     from models_registry.quotas import get_quotas
 
+    await counted()
     try:
         snapshot, today = await get_counters().snapshot(), await get_quotas().tokens_today()
     except Exception as exc:  # noqa: BLE001

@@ -30,7 +30,7 @@ from django.http.request import RawPostDataException
 from redis.exceptions import RedisError
 
 from hypnos_site.errors import HypnosError, ModelNotAvailable, PermissionDenied, RateLimited, refusal
-from hypnos_site.metrics import Observation, get_counters, observation
+from hypnos_site.metrics import Observation, count_later, observation
 from logs.capture import (
     CANCELLED,
     CapturedText,
@@ -210,7 +210,7 @@ class InferenceCallAccount:
         steps: list[tuple[str, Callable[[], Awaitable[None]]]] = [
             ("charging tokens", lambda: self._charge(tokens)),
             ("releasing the permit", self._release),
-            ("counting", lambda: get_counters().record(self.observations(status, duration_ms, tokens))),
+            ("counting", lambda: self._count(status, duration_ms, tokens)),
             ("logging", lambda: self._log(status, duration_ms)),
         ]
         for step, action in steps:
@@ -218,6 +218,9 @@ class InferenceCallAccount:
                 await action()
             except Exception:
                 log.error("%s: %s failed", self.request_id, step, exc_info=True)
+
+    async def _count(self, status: int, duration_ms: float, tokens: int) -> None:
+        count_later(self.observations(status, duration_ms, tokens), self.request_id)
 
     async def _charge(self, tokens: int) -> None:
         if self.principal is not None and tokens > 0:
@@ -396,10 +399,7 @@ async def _count_http(request: HttpRequest, response: HttpResponseBase) -> HttpR
 
     async def record() -> None:
         elapsed = (time.perf_counter() - started) * 1000
-        try:
-            await get_counters().record(_http_observations(_route_label(request), response.status_code, elapsed))
-        except Exception:
-            log.warning("counting %s failed", request.path, exc_info=True)
+        count_later(_http_observations(_route_label(request), response.status_code, elapsed), request.path)
 
     if isinstance(response, StreamingHttpResponse) and response.is_async:
         response.streaming_content = _counted_stream(response.streaming_content, record)

@@ -24,8 +24,6 @@ from inference.worker.core import Worker
 log = logging.getLogger(__name__)
 # After a request's first delta, the deltas that come within this long go as one message.
 DELTA_BATCH_SECS = 0.005
-# After an admission, the events that come within this long go with its `queued`.
-QUEUED_BATCH_SECS = 0.002
 RECEIVE_RETRY_SECS = 1.0
 HEARTBEAT_SECS = 0.5
 
@@ -127,9 +125,10 @@ class ChannelServer:
             batch = _take_ready([*pending, first], queue)
             pending = []
             if isinstance(batch[-1], Queued):
-                # A warm model starts within a millisecond or two of its admission: `started`
-                # (and for a short answer all of it) then shares the message.
-                await asyncio.sleep(QUEUED_BATCH_SECS)
+                # One turn of the loop, so that what the engine's thread handed over meanwhile
+                # (a warm model's `started`) shares the message. Waiting longer for it cost
+                # more than the message it saved (bench/server_cost.py: 2 ms gave +1.4 ms p50).
+                await asyncio.sleep(0)
                 batch = _take_ready(batch, queue)
             if streaming and isinstance(batch[-1], Delta):
                 # Deltas are flowing: wait a moment for more to share the message. The first goes

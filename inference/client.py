@@ -30,7 +30,7 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from hypnos_site.errors import EngineTimeout, HypnosError, InvalidRequest, ModelNotAvailable, ServerError
+from inference.cluster import WorkerDirectory, merge_memory_status, merge_status
 from inference.deadline import within
 from inference.entities import Span
 from inference.transcripts import Transcript
@@ -59,6 +60,7 @@ from inference.wire import (
     Result,
     Started,
     VectorChunk,
+    WorkerAnnouncement,
     decode_event,
     encode_request,
 )
@@ -239,14 +241,48 @@ class InferenceClient:
 
     async def control(self, op: ControlOp, args: dict[str, Any] | None = None) -> Any:
         """A control operation of the worker (status, memory_status, move): its one result.
-        One that takes longer than limits.request_timeout_secs (a load that hangs) is a 504."""
+        One that takes longer than limits.request_timeout_secs (a load that hangs) is a 504.
+        With several workers it goes to each one it concerns (cluster.py), and their statuses
+        come back as one."""
         try:
             request = ControlRequest(request_id=new_request_id(), op=op, args=args or {})
         except ValidationError as exc:
             error = exc.errors()[0]
             param = ".".join(str(p) for p in error["loc"]) or None
             raise InvalidRequest(f"Invalid value for {param or op}: {error['msg']}", param=param) from exc
-        call = await self.transport.submit(request)
+        transport = self.transport
+        if isinstance(transport, ChannelLayerTransport):
+            targets = await _guarded(transport.directory.control_targets(request))
+            if targets is not None:
+                return await self._fan_out(transport, request, targets)
+        result = await self._result(await transport.submit(request), op)
+        return merge_memory_status([result]) if op == "memory_status" else result
+
+    async def _fan_out(
+        self, transport: ChannelLayerTransport, request: ControlRequest, targets: list[WorkerAnnouncement]
+    ) -> Any:
+        if not targets:
+            raise InvalidRequest(f"No worker {request.args.get('worker')!r} announces itself.", param="worker")
+
+        async def one(worker: WorkerAnnouncement, request_id: str) -> Any:
+            call = await transport.send(request.model_copy(update={"request_id": request_id}), worker)
+            return await self._result(call, request.op)
+
+        ids = [request.request_id, *(new_request_id() for _ in targets[1:])]
+        results = await asyncio.gather(*(one(w, i) for w, i in zip(targets, ids, strict=True)), return_exceptions=True)
+        answered = [r for r in results if not isinstance(r, BaseException)]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        for failure in failed:
+            # A worker that is gone (its announcement not yet lapsed) leaves the answer to the others.
+            if not isinstance(failure, ModelNotAvailable | EngineTimeout) or not answered:
+                raise failure
+        if request.op == "status":
+            return merge_status(answered)
+        if request.op == "memory_status":
+            return merge_memory_status(answered)
+        return answered[0]
+
+    async def _result(self, call: InferenceCall, op: str) -> Any:
         timeout = request_timeout_secs()
         try:
             event = await within(call.next_event(), timeout)
@@ -347,22 +383,75 @@ class _InProcessCall(_QueueCall):
 
 
 class ChannelLayerTransport(Transport):
-    def __init__(self, layer: Any, ack_timeout_secs: float):
+    """Requests go to the worker the directory routes them to (inference/cluster.py), or to the
+    shared channel while no worker announces itself."""
+
+    def __init__(self, layer: Any, ack_timeout_secs: float, directory: WorkerDirectory | None = None):
         self.layer = layer
         self.ack_timeout = ack_timeout_secs
+        self.directory = directory if directory is not None else WorkerDirectory()
 
     async def submit(self, request: EngineRequest | ControlRequest) -> InferenceCall:
+        if isinstance(request, EngineRequest):
+            worker = await self._route(request.model, frozenset())
+            return await self.send(request, worker)
+        return await self.send(request, None)
+
+    async def _route(self, model: str, exclude: frozenset[str]) -> WorkerAnnouncement | None:
+        try:
+            return await self.directory.route(model, exclude)
+        except (OSError, RedisError) as exc:
+            raise ModelNotAvailable(f"The channel layer is unreachable: {type(exc).__name__}: {exc}") from exc
+
+    async def send(self, request: EngineRequest | ControlRequest, worker: WorkerAnnouncement | None) -> _ChannelCall:
+        """Send `request` to `worker`'s own channel (None: the shared one)."""
+        call = _ChannelCall(request.request_id, self.layer, "", self.ack_timeout)
+        await self._send(call, request, worker, frozenset())
+        return call
+
+    async def _send(
+        self,
+        call: _ChannelCall,
+        request: EngineRequest | ControlRequest,
+        worker: WorkerAnnouncement | None,
+        tried: frozenset[str],
+    ) -> None:
+        # Where another worker could take the request, one that does not acknowledge it within
+        # the reply deadline is taken for lost, and the request goes to the next one.
+        others = isinstance(request, EngineRequest) and worker is not None and len(await self.directory.live()) > 1
+        ack = min(self.ack_timeout, REPLY_DEADLINE_SECS) if others else self.ack_timeout
         reply = await _guarded(self.layer.new_channel("hypnos.reply."))
         message = {
             "type": "inference.request",
             "reply_channel": reply,
             # A worker that picks this up after the web gave up drops it instead of running it.
-            "ack_deadline": time.time() + self.ack_timeout,
+            "ack_deadline": time.time() + ack,
             "request_id": request.request_id,
             "request": encode_request(request),
         }
-        await _guarded(self.layer.send(REQUEST_CHANNEL, message))
-        return _ChannelCall(request.request_id, self.layer, reply, self.ack_timeout)
+        await _guarded(self.layer.send(worker.channel if worker is not None else REQUEST_CHANNEL, message))
+        call.reply, call.ack_timeout, call.expected_seq = reply, ack, 0
+        if not others:
+            call.no_ack = None
+            return
+        assert worker is not None and isinstance(request, EngineRequest)
+        tried = tried | {worker.channel}
+
+        async def elsewhere() -> bool:
+            log.warning(
+                "request %s: worker %s did not acknowledge it within %.1f s; trying another",
+                request.request_id,
+                worker.worker_id,
+                ack,
+            )
+            self.directory.lost(worker.channel)
+            fallback = await self._route(request.model, tried)
+            if fallback is None or fallback.channel in tried:
+                return False
+            await self._send(call, request, fallback, tried)
+            return True
+
+        call.no_ack = elsewhere
 
 
 class _ChannelCall(InferenceCall):
@@ -372,17 +461,21 @@ class _ChannelCall(InferenceCall):
         self.worker_channel: str | None = None
         self.expected_seq = 0
         self._ready: deque[Event] = deque()
+        # Before the worker acknowledged: sends the request to another worker (False: none left).
+        self.no_ack: Callable[[], Awaitable[bool]] | None = None
 
     async def next_event(self) -> Event:
         """The next event of the request; heartbeats are taken here and never returned. Before
         the worker accepted the request it has `ack_timeout`, then REPLY_DEADLINE_SECS between
-        two messages, to answer; after that the request is a 503. A message carries the events
-        that were ready together; they are handed out one by one."""
+        two messages, to answer; after that the request is a 503 (or, not yet accepted, goes to
+        another worker). A message carries the events that were ready together; they are
+        handed out one by one."""
         while True:
             if self._ready:
                 event = self._ready.popleft()
                 if isinstance(event, Accepted):
                     self.worker_channel = event.worker_channel
+                    self.no_ack = None
                     continue
                 if isinstance(event, Heartbeat):
                     continue
@@ -392,6 +485,8 @@ class _ChannelCall(InferenceCall):
             try:
                 message = await within(_guarded(self.layer.receive(self.reply)), wait)
             except TimeoutError:
+                if not accepted and self.no_ack is not None and await self.no_ack():
+                    continue
                 raise ModelNotAvailable((WORKER_LOST if accepted else NO_WORKER).format(secs=wait)) from None
             if message.get("seq") != self.expected_seq:
                 raise ServerError(

@@ -316,6 +316,9 @@ class MemoryTierRequest(_Wire):
     model: str = Field(min_length=1)
     target_tier: Literal["tier1_gpu_vram", "tier2_pinned_ram", "tier3_nvme_ssd"]
     context_len: int | None = Field(default=None, ge=256)
+    # Several inference workers: the one (server.worker_id) to move it on; unset, the one that
+    # holds it (a promotion: where a request would be routed).
+    worker: str | None = Field(default=None, min_length=1, max_length=64)
 
 
 class AdvisorRequest(_Wire):

@@ -150,7 +150,7 @@ class MemoryTierView(APIView):
 
     async def post(self, request: Request) -> JsonResponse:
         body = parse_body(MemoryTierRequest, request.data)
-        return JsonResponse(await get_client().control("move", body.model_dump()))
+        return JsonResponse(await get_client().control("move", body.model_dump(exclude_none=True)))
 
 
 class CompletionsView(APIView):

@@ -207,6 +207,8 @@ class ModelArgs(_Work):
 class MoveArgs(ModelArgs):
     target_tier: Literal["tier1_gpu_vram", "tier2_pinned_ram", "tier3_nvme_ssd"]
     context_len: int | None = None
+    # Several workers: the one to move it on (the web process routes by it; the worker ignores it).
+    worker: str | None = None
 
 
 class MoeOffloadArgs(ModelArgs):
@@ -281,6 +283,58 @@ class ControlRequest(_Work):
 
 
 WorkerRequest = Annotated[EngineRequest | ControlRequest, Field(discriminator="type")]
+
+# -- announcements ----------------------------------------------------------------------------
+
+
+class ModelPlace(BaseModel):
+    """Where one model of a worker's pool stands, as the worker announces it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    aliases: list[str] = []
+    enabled: bool = True
+    tier: Literal["tier1_gpu_vram", "tier2_pinned_ram", "tier3_nvme_ssd"] = "tier3_nvme_ssd"
+    leases: int = 0
+    # Requests queued or running on it.
+    admitted: int = 0
+    # Its weights' bytes once the worker has read its footprint (0 before).
+    weight_bytes: int = 0
+    tier1_bytes: int = 0
+    # The model block's pins and replicas (config.ModelConfig.workers / replicas).
+    workers: list[str] = []
+    replicas: int = 1
+
+
+class WorkerAnnouncement(BaseModel):
+    """What an inference worker tells the web processes about itself through Redis, every
+    ANNOUNCE_SECS with an expiry (inference/cluster.py): a lapsed one is a lost worker."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    worker_id: str
+    # Its own channel: requests routed to it, and their aborts, go there.
+    channel: str
+    host: str
+    pid: int
+    device: str
+    simulated: bool
+    ready: bool
+    # Stopping (SIGTERM): finishing its streams, taking no new work.
+    draining: bool = False
+    tier1_budget_bytes: int
+    tier1_free_bytes: int
+    tier2_budget_bytes: int
+    tier2_free_bytes: int
+    queue_depth: int
+    announced_at: float
+    models: dict[str, ModelPlace] = {}
+
+    def room_for(self, model_id: str) -> int:
+        """Tier-1 bytes it could give `model_id` without evicting a leased model."""
+        evictable = sum(p.tier1_bytes for name, p in self.models.items() if p.leases == 0 and name != model_id)
+        return self.tier1_free_bytes + evictable
+
 
 # -- events ----------------------------------------------------------------------------------
 

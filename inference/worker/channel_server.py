@@ -4,12 +4,20 @@ Every running request's reply channel gets a `heartbeat` whenever HEARTBEAT_SECS
 nothing else sent, so the web process tells a slow engine from a dead worker
 (inference/client.py REPLY_DEADLINE_SECS). A reply that cannot be sent (Redis gone) stops the
 request: nobody could read the rest.
+
+With several workers (inference/cluster.py) each announces itself in Redis while it serves; the
+web processes route a request to one worker's own channel, and the shared channel takes what is
+sent before any announcement. On SIGTERM the worker withdraws its announcement and stops taking
+requests, lets the running ones finish (up to DRAIN_SECS), then stops.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
+import socket
 import time
 from typing import Any
 
@@ -17,8 +25,20 @@ from pydantic import ValidationError
 
 from hypnos_site.errors import InvalidRequest
 from inference.client import REQUEST_CHANNEL
+from inference.cluster import ANNOUNCE_SECS, Announcer, running_elsewhere
 from inference.deadline import within
-from inference.wire import TERMINAL, Accepted, Delta, Error, Heartbeat, Queued, decode_request, encode_event
+from inference.wire import (
+    TERMINAL,
+    Accepted,
+    Delta,
+    Done,
+    Error,
+    Heartbeat,
+    Queued,
+    Started,
+    decode_request,
+    encode_event,
+)
 from inference.worker.core import Worker
 
 log = logging.getLogger(__name__)
@@ -26,29 +46,89 @@ log = logging.getLogger(__name__)
 DELTA_BATCH_SECS = 0.005
 RECEIVE_RETRY_SECS = 1.0
 HEARTBEAT_SECS = 0.5
+# How long a stopping worker lets its running requests finish.
+DRAIN_SECS = 30.0
+
+
+class DuplicateWorker(RuntimeError):
+    """Another live worker on this host announces itself with this worker's id."""
 
 
 class ChannelServer:
     """Receives requests from the shared channel, aborts on its own channel, and streams
     each request's events back in order on the request's reply channel."""
 
-    def __init__(self, worker: Worker, layer: Any):
+    def __init__(self, worker: Worker, layer: Any, announce: bool = True, drain_secs: float = DRAIN_SECS):
         self.worker = worker
         self.layer = layer
         self.own_channel = ""
+        self.announcer: Announcer | None = None
+        self.announce = announce
+        self.drain_secs = drain_secs
+        self.draining = False
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def serve(self, stop: asyncio.Event) -> None:
         self.own_channel = await self.layer.new_channel("hypnos.worker.")
-        log.info("inference worker listening on %s (aborts on %s)", REQUEST_CHANNEL, self.own_channel)
-        receivers = [
-            asyncio.create_task(self._receive_loop(REQUEST_CHANNEL)),
-            asyncio.create_task(self._receive_loop(self.own_channel)),
-        ]
+        worker_id = self.worker.worker_id
+        if self.announce:
+            other = await running_elsewhere(worker_id, socket.gethostname(), os.getpid())
+            if other is not None:
+                raise DuplicateWorker(
+                    f"the worker {worker_id!r} already runs on this host (pid {other.pid}); "
+                    "give each worker its own HYPNOS_WORKER_ID"
+                )
+            self.announcer = Announcer(worker_id)
+        log.info("inference worker %s listening on %s and %s", worker_id, REQUEST_CHANNEL, self.own_channel)
+        shared = asyncio.create_task(self._receive_loop(REQUEST_CHANNEL))
+        own = asyncio.create_task(self._receive_loop(self.own_channel))
+        announcing = asyncio.create_task(self._announce_loop()) if self.announcer is not None else None
         await stop.wait()
-        for task in receivers:
-            task.cancel()
-        await asyncio.gather(*receivers, return_exceptions=True)
+        # Stop being chosen, stop taking requests; aborts still arrive on the own channel.
+        self.draining = True
+        shared.cancel()
+        if announcing is not None:
+            announcing.cancel()
+        if self.announcer is not None:
+            try:
+                await within(self.announcer.withdraw(), 2.0)
+            except Exception:
+                log.warning("could not withdraw the announcement of %s", worker_id, exc_info=True)
+        if self._tasks:
+            log.info("letting %d running request(s) finish (up to %.0f s)", len(self._tasks), self.drain_secs)
+            await asyncio.wait(set(self._tasks), timeout=self.drain_secs)
+        own.cancel()
+        await asyncio.gather(shared, own, *([announcing] if announcing else []), return_exceptions=True)
+
+    async def _announce_loop(self) -> None:
+        while True:
+            try:
+                await self._announce(force=True)
+            except Exception as exc:
+                # Redis away: the announcement lapses and the web processes stop choosing this
+                # worker until it comes back.
+                log.warning("announcing %s failed: %s", self.worker.worker_id, exc)
+            await asyncio.sleep(ANNOUNCE_SECS)
+
+    async def _announce(self, force: bool) -> None:
+        """Announce what the worker holds now: built off the event loop (the tier ledger's
+        lock), sent on it."""
+        announcer = self.announcer
+        if announcer is None or not (force or announcer.due()):
+            return
+        built = await asyncio.to_thread(self.worker.announcement, self.own_channel, self.draining)
+        await announcer.announce(built)
+
+    def _moved(self) -> None:
+        """A request started or ended: what the worker holds may have changed."""
+        if self.announcer is not None and not self.draining:
+            self._track(asyncio.create_task(self._announce_quietly()))
+
+    async def _announce_quietly(self) -> None:
+        try:
+            await self._announce(force=False)
+        except Exception as exc:
+            log.warning("announcing %s failed: %s", self.worker.worker_id, exc)
 
     async def _receive_loop(self, channel: str) -> None:
         while True:
@@ -73,6 +153,10 @@ class ChannelServer:
             log.warning("dropping %s %s: the web process stopped waiting for it", kind, message.get("request_id", ""))
             return
         if kind == "inference.request":
+            if self.draining:
+                # Stopping: the web process's acknowledgement wait sends it to another worker.
+                log.info("stopping: not taking %s", message.get("request_id", ""))
+                return
             self._track(asyncio.create_task(self._run(message)))
 
     def _track(self, task: asyncio.Task[None]) -> None:
@@ -97,8 +181,10 @@ class ChannelServer:
             """One message for the events ready together (a max_tokens 1 call's queued, started,
             delta and done are usually one), numbered so the web process sees a lost one."""
             nonlocal seq
-            await self.layer.send(reply, {"seq": seq, "events": [encode_event(e) for e in events]})
+            await self.layer.send(reply, {"seq": seq, "events": [encode_event(self._stamped(e)) for e in events]})
             seq += 1
+            if any(isinstance(e, (Started, *TERMINAL)) for e in events):
+                self._moved()
 
         accepted = Accepted(worker_channel=self.own_channel)
         try:
@@ -139,6 +225,12 @@ class ChannelServer:
             await send(batch)
             if isinstance(batch[-1], TERMINAL):
                 return
+
+    def _stamped(self, event: Any) -> Any:
+        """A request's end says which worker served it (hypnos_telemetry.worker)."""
+        if isinstance(event, Done):
+            return dataclasses.replace(event, telemetry={**event.telemetry, "worker": self.worker.worker_id})
+        return event
 
 
 def _take_ready(first: Any, queue: asyncio.Queue[Any]) -> list[Any]:

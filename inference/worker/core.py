@@ -44,6 +44,7 @@ from inference.wire import (
     Result,
     Started,
     Usage,
+    WorkerAnnouncement,
 )
 from inference.worker.documents import check_document_model, serve_document
 from inference.worker.entities import check_entity_model, serve_entities
@@ -148,6 +149,14 @@ class Worker:
         """GET /v1/memory/status (spec §14), all but the web process's own latency figures."""
         return self.reports.memory_status()
 
+    @property
+    def worker_id(self) -> str:
+        return self.reports.worker_id
+
+    def announcement(self, channel: str, draining: bool = False) -> WorkerAnnouncement:
+        """What the channel server announces of this worker (inference/cluster.py)."""
+        return self.reports.announcement(channel, draining)
+
     def move(self, name: str, target: MemoryTier, context_len: int | None) -> Placement:
         """POST /v1/memory/tier and startup staging: put an idle model in `target`."""
         return self.moves.move(name, target, context_len)
@@ -199,7 +208,12 @@ class Worker:
                     runtime.problem = exc.message
             order = sorted(self.models.values(), key=lambda r: r.config.initial_tier)
             for runtime in order:
-                if not runtime.config.enabled or runtime.config.initial_tier == MemoryTier.TIER3.value:
+                pinned_elsewhere = runtime.config.workers and self.worker_id not in runtime.config.workers
+                if (
+                    not runtime.config.enabled
+                    or runtime.config.initial_tier == MemoryTier.TIER3.value
+                    or pinned_elsewhere
+                ):
                     continue
                 try:
                     self.move(runtime.config.id, MemoryTier(runtime.config.initial_tier), None)
@@ -242,6 +256,7 @@ class Worker:
             if not self.ready:
                 raise ModelNotAvailable(STILL_STAGING)
             runtime = self.resolve(request.model)
+            self._check_pinned(runtime)
             work: ChatWork | MediaWork | DocumentWork | EntityWork | ImageWork
             if request.work.kind in MEDIA_OPS:
                 work = media_work(runtime.config, request.work)  # type: ignore[arg-type]
@@ -281,11 +296,20 @@ class Worker:
         if request.next_model:
             self._executor.submit(self._prefetch, request.next_model)
 
+    def _check_pinned(self, runtime: ModelRuntime) -> None:
+        """A model whose block pins it to other workers (`workers = [...]`) is not loaded here."""
+        pins = runtime.config.workers
+        if pins and self.worker_id not in pins:
+            raise ModelNotAvailable(
+                f"The model {runtime.config.id!r} is served by the workers {', '.join(pins)}, not by {self.worker_id}."
+            )
+
     def _prefetch(self, name: str) -> None:
         """x-hypnos-next-model: bring the model the client will call next to tier 1 meanwhile.
         Unknown, busy or unplaceable models are left alone; the header never changes a response."""
         try:
             runtime = self.resolve(name)
+            self._check_pinned(runtime)
             if runtime.engine is None or not runtime.engine.loaded:
                 self.move(name, MemoryTier.TIER1, None)
         except HypnosError as exc:
@@ -344,6 +368,8 @@ class Worker:
             else:
                 if not self.ready:
                     raise ModelNotAvailable(STILL_STAGING)
+                if payload["target_tier"] != MemoryTier.TIER3.value:
+                    self._check_pinned(self.resolve(payload["model"], enabled_only=False))
                 placement = self.move(payload["model"], MemoryTier(payload["target_tier"]), payload.get("context_len"))
                 result = {"model": self.resolve(payload["model"]).config.id, "placement": placement.as_dict()}
             sink(Result(result=result))

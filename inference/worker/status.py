@@ -4,10 +4,13 @@ GET /v1/memory/status (spec §14) but for the web process's own latency figures.
 from __future__ import annotations
 
 import os
+import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
 from hypnos_site.config import HypnosConfig
+from inference.wire import ModelPlace, WorkerAnnouncement
 from inference.worker.runtime import ModelRuntime, ModelTable
 from inference.worker.tier_moves import TierMoves
 from memory.device import Device, process_memory_bytes
@@ -39,6 +42,8 @@ class StatusReports:
         self.moves = moves
         self.ready = ready
         self.estimated_wait_ms = estimated_wait_ms
+        # The name it announces itself by (inference/cluster.py) and its answers carry.
+        self.worker_id = config.server.worker_id or socket.gethostname()
 
     def status(self) -> dict[str, Any]:
         """What the web process shows in /ready and /v1/models."""
@@ -71,7 +76,50 @@ class StatusReports:
             "models": models,
             "max_resident": self.tiers.max_resident,
             "pid": os.getpid(),
+            "worker": self.worker_id,
         }
+
+    def announcement(self, channel: str, draining: bool) -> WorkerAnnouncement:
+        """What this worker announces to the web processes (inference/cluster.py)."""
+        models = {}
+        for model_id, runtime in list(self.table.models.items()):
+            config = runtime.config
+            place: dict[str, Any] = {}
+            if model_id in self.tiers:
+                state = self.tiers.model_status(model_id)
+                placement = self.tiers.placement(model_id)
+                place = {
+                    "tier": state["current_tier"],
+                    "leases": state["active_leases"],
+                    "weight_bytes": state["total_weight_bytes"],
+                    "tier1_bytes": placement.vram_weight_bytes + placement.vram_kv_and_workspace_bytes,
+                }
+            models[model_id] = ModelPlace(
+                aliases=config.aliases,
+                enabled=runtime.enabled and runtime.problem is None,
+                admitted=runtime.admitted,
+                workers=config.workers,
+                replicas=config.replicas,
+                **place,
+            )
+        tier1 = self.tiers.tier1_counters()
+        return WorkerAnnouncement(
+            worker_id=self.worker_id,
+            channel=channel,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            device=self.device.capabilities.device_name,
+            simulated=self.device.simulated,
+            ready=self.ready(),
+            draining=draining,
+            tier1_budget_bytes=self.tiers.tier1_budget,
+            tier1_free_bytes=int(tier1["effective_free"] or 0),
+            tier2_budget_bytes=self.tiers.tier2_budget,
+            tier2_free_bytes=max(self.tiers.tier2_budget - self.tiers.tier2_used(), 0),
+            queue_depth=sum(runtime.admitted for runtime in list(self.table.models.values())),
+            announced_at=time.time(),
+            models=models,
+        )
 
     def memory_status(self) -> dict[str, Any]:
         """GET /v1/memory/status (spec §14), all but the web process's own latency figures."""
@@ -110,6 +158,15 @@ class StatusReports:
                 )
             models.append(row)
         return {
+            "worker": {
+                "worker_id": self.worker_id,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "device": self.device.capabilities.device_name,
+                "simulated": self.device.simulated,
+                "tier1_vram_budget_bytes": self.tiers.tier1_budget,
+                "tier2_pinned_ram_budget_bytes": self.tiers.tier2_budget,
+            },
             "capabilities": self.device.capabilities.as_dict(),
             "tier1_vram_used_bytes": tier1["used"],
             "tier1_vram_free_bytes": tier1["free"],

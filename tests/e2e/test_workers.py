@@ -1,0 +1,297 @@
+"""Several inference workers (issue 18): one daphne, two supervised `runinference` processes
+(`gpu-a`, `gpu-b`, each with its own simulated VRAM budget), the session's Redis and PostgreSQL.
+
+- each worker announces itself; /v1/memory/status lists both, with their budgets, and says on
+  which worker each model is;
+- a model is loaded on one worker and every request for it goes there (telemetry's `worker`);
+  a second model goes to the worker with room for it;
+- a worker killed (SIGKILL): its stream ends with an error chunk then [DONE], the next request
+  for its model is served by the other worker, and the worker started again by its supervisor
+  announces itself and takes work again;
+- SIGTERM: a worker withdraws at once and lets its running stream finish.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from hypnos_site.config import BASE_DIR, load_config
+from tests.conftest import PARIS_MESSAGES
+from tests.e2e.conftest import Proc, base_env, free_port, run_manage, start, wait_ready
+
+pytestmark = pytest.mark.e2e
+CHAT = "/v1/chat/completions"
+STORY = {
+    "model": "smollm2-135m",
+    "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+    "max_tokens": 2000,
+}
+GIB = 1 << 30
+
+
+def write_worker_config(directory: Path, name: str, vram_bytes: int) -> Path:
+    """Two models, both cold: where each is loaded is the routing's choice."""
+    suite = load_config({"HYPNOS_CONFIG": str(BASE_DIR / "tests" / "hypnos.test.toml")})
+    chat = suite.weights_file(suite.models[0])
+    embed = next(suite.weights_file(m) for m in suite.models if m.id == "all-minilm-l6-v2")
+    path = directory / f"{name}.toml"
+    path.write_text(
+        f"""
+[server]
+worker_ack_timeout_secs = 5.0
+
+[hardware]
+simulated_vram_bytes = {vram_bytes}
+
+[limits]
+max_tokens_cap = 2000
+
+[[models]]
+id = "smollm2-135m"
+modality = "text_generation"
+engine = "ggml_llama"
+weights_path = "{chat}"
+context_len = 2048
+
+[[models]]
+id = "all-minilm-l6-v2"
+modality = "embeddings"
+engine = "ggml_llama"
+weights_path = "{embed}"
+context_len = 512
+"""
+    )
+    return path
+
+
+@dataclass
+class Cluster:
+    base_url: str
+    env: dict[str, str]
+    web: Proc
+    workers: dict[str, Proc]
+    directory: Path
+
+    def memory(self) -> dict[str, Any]:
+        response = httpx.get(f"{self.base_url}/v1/memory/status", timeout=30)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def wait_workers(self, names: set[str], timeout: float = 90) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        status: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            status = self.memory()
+            if {w["worker_id"] for w in status["workers"]} == names:
+                return status
+            time.sleep(0.3)
+        pytest.fail(f"workers {names} not announced: {status.get('workers')}")
+
+    def worker_pid(self, name: str) -> int:
+        children = psutil.Process(self.workers[name].popen.pid).children()
+        assert len(children) == 1, children
+        return children[0].pid
+
+    def chat(self, **extra: Any) -> dict[str, Any]:
+        body = {"model": "smollm2-135m", "messages": PARIS_MESSAGES, "max_tokens": 4, "temperature": 0, **extra}
+        response = httpx.post(f"{self.base_url}{CHAT}", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def start_worker(self, name: str) -> Proc:
+        vram = 2 * GIB
+        env = {
+            **self.env,
+            "HYPNOS_CONFIG": str(write_worker_config(self.directory, name, vram)),
+            "HYPNOS_WORKER_ID": name,
+        }
+        proc = start(f"runinference-{name}", ["manage.py", "runinference"], env, self.directory)
+        self.workers[name] = proc
+        return proc
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, redis_url: str, postgres_url: str) -> Iterator[Cluster]:
+    directory = tmp_path_factory.mktemp("workers")
+    port = free_port()
+    env = base_env(
+        write_worker_config(directory, "web", 2 * GIB),
+        directory,
+        HYPNOS_DEPLOYMENT="distributed",
+        HYPNOS_DATABASE_URL=postgres_url,
+        HYPNOS_REDIS_URL=redis_url,
+        HYPNOS_CHANNEL_PREFIX="hypnos-workers-" + uuid.uuid4().hex[:8],
+        HYPNOS_PORT=str(port),
+    )
+    run_manage(["migrate", "--no-input", "-v0"], env)
+    web = start("daphne", ["-m", "hypnos_site.serve"], env, directory)
+    cluster = Cluster(f"http://127.0.0.1:{port}", env, web, {}, directory)
+    try:
+        for name in ("gpu-a", "gpu-b"):
+            cluster.start_worker(name)
+        wait_ready(cluster.base_url, web, *cluster.workers.values())
+        cluster.wait_workers({"gpu-a", "gpu-b"})
+        yield cluster
+    finally:
+        for proc in [*cluster.workers.values(), web]:
+            proc.stop()
+
+
+def sse(response: httpx.Response, on_first_delta=None) -> list[Any]:  # type: ignore[no-untyped-def]
+    events: list[Any] = []
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: ") :]
+        events.append(data if data == "[DONE]" else json.loads(data))
+        if on_first_delta is not None and len(events) == 3:
+            on_first_delta()
+            on_first_delta = None
+    return events
+
+
+def where(status: dict[str, Any], model: str) -> dict[str, str]:
+    row = next(m for m in status["models"] if m["id"] == model)
+    return {p["worker"]: p["current_tier"] for p in row["placements"]}
+
+
+def test_both_workers_announce_themselves_with_their_budgets(cluster):
+    status = cluster.memory()
+    workers = {w["worker_id"]: w for w in status["workers"]}
+    assert set(workers) == {"gpu-a", "gpu-b"}
+    for worker in workers.values():
+        assert worker["simulated"] is True
+        assert worker["tier1_vram_budget_bytes"] > 0
+        assert worker["pid"] != os.getpid()
+    assert status["tier1_vram_free_bytes"] == sum(w["tier1_vram_free_bytes"] for w in workers.values())
+    row = next(m for m in status["models"] if m["id"] == "smollm2-135m")
+    assert {p["worker"] for p in row["placements"]} == {"gpu-a", "gpu-b"}
+
+
+def test_a_model_is_loaded_on_one_worker_and_its_requests_go_there(cluster):
+    served = [cluster.chat()["hypnos_telemetry"]["worker"] for _ in range(20)]
+    assert len(set(served)) == 1, served
+    holder = served[0]
+    status = cluster.memory()
+    placed = where(status, "smollm2-135m")
+    assert placed[holder] == "tier1_gpu_vram"
+    assert [tier for worker, tier in placed.items() if worker != holder] == ["tier3_nvme_ssd"]
+    row = next(m for m in status["models"] if m["id"] == "smollm2-135m")
+    assert row["worker"] == holder and row["current_tier"] == "tier1_gpu_vram"
+    # The second model goes to the worker with room for it: the other one.
+    response = httpx.post(
+        f"{cluster.base_url}/v1/embeddings", json={"model": "all-minilm-l6-v2", "input": "hello"}, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    placed = where(cluster.memory(), "all-minilm-l6-v2")
+    other = next(w for w in placed if w != holder)
+    assert placed == {holder: "tier3_nvme_ssd", other: "tier1_gpu_vram"}
+    metrics = httpx.get(f"{cluster.base_url}/metrics", timeout=30).text
+    assert f'hypnos_model_worker_tier{{model="smollm2-135m",worker="{holder}"}} 1.0' in metrics
+    assert f'hypnos_worker_info{{device="simulated",worker="{other}"}} 1.0' in metrics
+
+
+def test_a_promotion_can_name_its_worker(cluster):
+    holder = cluster.chat()["hypnos_telemetry"]["worker"]
+    other = ({"gpu-a", "gpu-b"} - {holder}).pop()
+    body = {"model": "smollm2-135m", "target_tier": "tier2_pinned_ram", "worker": holder}
+    moved = httpx.post(f"{cluster.base_url}/v1/memory/tier", json=body, timeout=60)
+    assert moved.status_code == 200, moved.text
+    body = {"model": "smollm2-135m", "target_tier": "tier1_gpu_vram", "worker": other}
+    moved = httpx.post(f"{cluster.base_url}/v1/memory/tier", json=body, timeout=60)
+    assert moved.status_code == 200, moved.text
+    assert where(cluster.memory(), "smollm2-135m") == {holder: "tier2_pinned_ram", other: "tier1_gpu_vram"}
+    time.sleep(0.6)  # the next announcements
+    assert cluster.chat()["hypnos_telemetry"]["worker"] == other
+    nobody = httpx.post(
+        f"{cluster.base_url}/v1/memory/tier",
+        json={"model": "smollm2-135m", "target_tier": "tier1_gpu_vram", "worker": "gpu-z"},
+        timeout=30,
+    )
+    assert nobody.status_code == 400 and nobody.json()["error"]["param"] == "worker"
+
+
+def test_a_killed_worker_is_survived_and_comes_back(cluster):
+    holder = cluster.chat()["hypnos_telemetry"]["worker"]
+    other = ({"gpu-a", "gpu-b"} - {holder}).pop()
+    pid = cluster.worker_pid(holder)
+    killed: list[float] = []
+
+    def kill() -> None:
+        os.kill(pid, signal.SIGKILL)
+        killed.append(time.monotonic())
+
+    with httpx.stream("POST", f"{cluster.base_url}{CHAT}", json={**STORY, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        events = sse(response, kill)
+    ended = time.monotonic()
+    assert killed and ended - killed[0] < 2.5
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["type"] == "model_not_available"
+    # The next request for its model is served by the other worker, which loads it.
+    started = time.monotonic()
+    answer = cluster.chat()
+    assert answer["hypnos_telemetry"]["worker"] == other
+    assert time.monotonic() - started < 10
+    # The supervisor started the worker again: it announces itself under its name once more.
+    status = cluster.wait_workers({"gpu-a", "gpu-b"}, timeout=60)
+    back = next(w for w in status["workers"] if w["worker_id"] == holder)
+    assert back["pid"] != pid
+    log = cluster.workers[holder].log.read_text()
+    assert f"process {pid} died by SIGKILL" in log
+    # ... and takes work again: a model the other worker does not hold goes to it when it has more room.
+    moved = httpx.post(
+        f"{cluster.base_url}/v1/memory/tier",
+        json={"model": "all-minilm-l6-v2", "target_tier": "tier3_nvme_ssd", "worker": other},
+        timeout=60,
+    )
+    assert moved.status_code == 200, moved.text
+    time.sleep(0.6)
+    response = httpx.post(
+        f"{cluster.base_url}/v1/embeddings", json={"model": "all-minilm-l6-v2", "input": "hello"}, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    assert where(cluster.memory(), "all-minilm-l6-v2")[holder] == "tier1_gpu_vram"
+
+
+def test_sigterm_withdraws_a_worker_and_lets_its_stream_finish(cluster):
+    holder = cluster.chat()["hypnos_telemetry"]["worker"]
+    proc = cluster.workers[holder]
+    signalled: list[float] = []
+
+    def terminate() -> None:
+        proc.popen.send_signal(signal.SIGTERM)  # the supervisor forwards it to the worker
+        signalled.append(time.monotonic())
+
+    body = {**STORY, "max_tokens": 120, "stream": True}
+    with httpx.stream("POST", f"{cluster.base_url}{CHAT}", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        events = sse(response, terminate)
+    assert signalled
+    assert events[-1] == "[DONE]"
+    finish = [
+        c["choices"][0]["finish_reason"]
+        for c in events[:-1]
+        if c.get("choices") and c["choices"][0].get("finish_reason")
+    ]
+    assert finish == ["length"], events[-3:]
+    proc.popen.wait(30)
+    assert proc.popen.returncode == 0
+    status = cluster.wait_workers({"gpu-a", "gpu-b"} - {holder}, timeout=10)
+    assert len(status["workers"]) == 1
+    # The one left serves the model.
+    assert cluster.chat()["hypnos_telemetry"]["worker"] != holder
+    cluster.start_worker(holder)
+    cluster.wait_workers({"gpu-a", "gpu-b"})

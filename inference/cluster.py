@@ -366,6 +366,7 @@ def merge_memory_status(results: list[dict[str, Any]]) -> dict[str, Any]:
                     "worker": worker_id,
                     "current_tier": row["current_tier"],
                     "active_leases": row.get("active_leases", 0),
+                    "loads": row.get("loads", 0),
                     "placement": row.get("placement"),
                 }
             )

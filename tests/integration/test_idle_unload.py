@@ -46,6 +46,7 @@ async def test_an_idle_model_leaves_tier_1_after_its_keep_alive_and_comes_back(a
         "reason": "idle",
         "to_tier": "tier2_pinned_ram",
         "unix_ms": 0,
+        "worker": status["workers"][0]["worker_id"],
     }
     assert (await _row(api))["expires_at"] is None
     back = (await post_json(api, URL, ask())).json()

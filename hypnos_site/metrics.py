@@ -22,9 +22,9 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Awaitable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import prometheus_client
 from django.http import HttpRequest, HttpResponse
@@ -102,10 +102,16 @@ WEB_FAMILIES: dict[str, Family] = {
     "hypnos_request_e2e_ms": Family(
         "histogram", "Inference calls from arrival to the last byte of the response, ms.", ("route",), MS_BUCKETS
     ),
-    "hypnos_workflow_e2e_ms": Family(
+    "hypnos_pipeline_e2e_ms": Family(
         "histogram",
         "Calls that ran a pipeline (chat input_audio transcribed first), arrival to last byte, ms.",
         ("route",),
+        MS_BUCKETS,
+    ),
+    "hypnos_workflow_e2e_ms": Family(
+        "histogram",
+        "Declared workflows (x-hypnos-workflow), first request's arrival to the last one's last byte, ms.",
+        ("workflow",),
         MS_BUCKETS,
     ),
     "hypnos_prefix_cache_hits": Family("counter", "Text calls that reused cached prompt tokens.", ("model",)),
@@ -238,7 +244,8 @@ class RedisCounters(CounterStore):
         client = self.redis.client()
         found: dict[str, dict[Labels, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
         for key in (state_key("metrics", "sums"), state_key("metrics", "maxima")):
-            for raw, value in (await client.hgetall(key)).items():
+            values = await cast("Awaitable[dict[str, str]]", client.hgetall(key))
+            for raw, value in values.items():
                 name, field, labels = json.loads(raw)
                 if name in WEB_FAMILIES:
                     found[name][tuple((k, v) for k, v in labels)][field] = float(value)
@@ -266,14 +273,19 @@ _counting: set[asyncio.Task[None]] = set()
 def count_later(observations: list[Observation], what: str) -> None:
     """Count in the background: a response does not wait for the shared store's round trip.
     A snapshot taken in this process waits for them first (counted)."""
-    task = asyncio.ensure_future(_count(observations, what))
+    in_background(get_counters().record(observations), what)
+
+
+def in_background(work: Coroutine[Any, Any, None], what: str) -> None:
+    """Run a store update off the response path (counted() waits for it); a failure is logged."""
+    task = asyncio.ensure_future(_logged(work, what))
     _counting.add(task)
     task.add_done_callback(_counting.discard)
 
 
-async def _count(observations: list[Observation], what: str) -> None:
+async def _logged(work: Coroutine[Any, Any, None], what: str) -> None:
     try:
-        await get_counters().record(observations)
+        await work
     except Exception:
         log.warning("counting %s failed", what, exc_info=True)
 

@@ -1,65 +1,70 @@
-"""End-to-end latency per route, as p50 / p95 / p99 bucket upper bounds (spec §14 `latency`)."""
+"""End-to-end latency per route and per declared workflow, as p50 / p95 / p99 bucket upper
+bounds (spec §1 workflows, §14 `latency`), the same from every web process.
+
+Both are histograms of the web families' store (hypnos_site.metrics): Redis in the distributed
+deployment, so every daphne process reports what all of them served; memory in the embedded
+one. A route's figures are `hypnos_http_request_latency_ms`; a workflow's are
+`hypnos_workflow_e2e_ms`, observed when the workflow closes. Which workflows are still open
+(first start, last end) is shared the same way: a workflow's requests may reach different web
+processes.
+"""
 
 from __future__ import annotations
 
-import bisect
+import asyncio
+import json
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-# Upper bounds in milliseconds; the last bucket is open.
-BUCKETS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000, 300000)
+from asgiref.sync import async_to_sync
 
-
-class Histogram:
-    def __init__(self) -> None:
-        self.counts = [0] * (len(BUCKETS_MS) + 1)
-        self.total = 0
-
-    def observe(self, ms: float) -> None:
-        self.counts[bisect.bisect_left(BUCKETS_MS, ms)] += 1
-        self.total += 1
-
-    def quantile(self, q: float) -> float | None:
-        if not self.total:
-            return None
-        rank, seen = q * self.total, 0
-        for i, count in enumerate(self.counts):
-            seen += count
-            if seen >= rank:
-                return float(BUCKETS_MS[i]) if i < len(BUCKETS_MS) else float("inf")
-        return None
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "count": self.total,
-            "p50_ms": self.quantile(0.5),
-            "p95_ms": self.quantile(0.95),
-            "p99_ms": self.quantile(0.99),
-        }
-
-
-class RouteLatency:
-    """Per-route histograms of this web process."""
-
-    def __init__(self) -> None:
-        self._routes: dict[str, Histogram] = {}
-        self._lock = threading.Lock()
-
-    def observe(self, route: str, ms: float) -> None:
-        with self._lock:
-            self._routes.setdefault(route, Histogram()).observe(ms)
-
-    def summary(self) -> dict[str, Any]:
-        with self._lock:
-            return {route: h.summary() for route, h in sorted(self._routes.items())}
-
-
-routes = RouteLatency()
-
+from hypnos_site.metrics import (
+    MS_BUCKETS,
+    counted,
+    get_counters,
+    in_background,
+    observation,
+)
+from models_registry.shared_state import LoopRedis, is_distributed, shared_redis, state_key
 
 WORKFLOW_IDLE_SECS = 30.0
+ROUTE_FAMILY = "hypnos_http_request_latency_ms"
+WORKFLOW_FAMILY = "hypnos_workflow_e2e_ms"
+
+
+def quantiles(fields: dict[str, float]) -> dict[str, Any]:
+    """count and p50 / p95 / p99 (the upper bound of the bucket the rank falls in; inf past
+    the last) of one histogram's cumulative `le:` fields."""
+    total = int(fields.get("le:+Inf", 0))
+
+    def quantile(q: float) -> float | None:
+        if not total:
+            return None
+        for bound in MS_BUCKETS:
+            if fields.get(f"le:{bound:g}", 0) >= q * total:
+                return bound
+        return float("inf")
+
+    return {"count": total, "p50_ms": quantile(0.5), "p95_ms": quantile(0.95), "p99_ms": quantile(0.99)}
+
+
+async def summary() -> dict[str, Any]:
+    """The memory status's `latency`: routes and closed workflows, of every web process."""
+    await counted()
+    await close_idle_workflows()
+    snapshot = await get_counters().snapshot()
+
+    def rows(family: str, label: str) -> dict[str, Any]:
+        found = {dict(labels)[label]: quantiles(fields) for labels, fields in snapshot.get(family, {}).items()}
+        return {name: found[name] for name in sorted(found) if name != "unmatched"}
+
+    return {"routes": rows(ROUTE_FAMILY, "route"), "workflows": rows(WORKFLOW_FAMILY, "workflow")}
+
+
+# -- workflows still open --------------------------------------------------------------------
 
 
 @dataclass
@@ -69,40 +74,128 @@ class _OpenWorkflow:
     last_end: float
 
 
-class Workflows:
-    """End-to-end time of multi-step tasks marked with `x-hypnos-workflow: <name>/<id>`: from the
-    first request's start to the last byte of the one marked `x-hypnos-workflow-end: true`, or of
-    the last one before 30 s without a request (spec §1)."""
+class WorkflowStore(ABC):
+    """Which workflows are open: `observe` adds a request (wall-clock seconds) and returns the
+    workflows it closed, with the idle ones, as (name, ms) pairs; `close_idle` only those."""
 
-    def __init__(self, clock: Any = time.perf_counter) -> None:
+    @abstractmethod
+    async def observe(
+        self, ident: str, name: str, started: float, ended: float, last: bool
+    ) -> list[tuple[str, float]]: ...
+
+    @abstractmethod
+    async def close_idle(self) -> list[tuple[str, float]]: ...
+
+
+class MemoryWorkflows(WorkflowStore):
+    def __init__(self, clock: Any = time.time) -> None:
         self.clock = clock
         self._open: dict[str, _OpenWorkflow] = {}
-        self._done: dict[str, Histogram] = {}
         self._lock = threading.Lock()
 
-    def observe(self, header: str, started: float, ended: float, last: bool) -> None:
-        name, _, ident = header.partition("/")
+    async def observe(self, ident: str, name: str, started: float, ended: float, last: bool) -> list[tuple[str, float]]:
         with self._lock:
-            self._close_idle()
-            flow = self._open.setdefault(ident or name, _OpenWorkflow(name, started, ended))
+            closed = self._close_idle()
+            flow = self._open.setdefault(ident, _OpenWorkflow(name, started, ended))
             flow.first_start = min(flow.first_start, started)
             flow.last_end = max(flow.last_end, ended)
             if last:
-                self._finish(ident or name)
+                closed.append(self._finish(ident))
+            return closed
 
-    def summary(self) -> dict[str, Any]:
+    async def close_idle(self) -> list[tuple[str, float]]:
         with self._lock:
-            self._close_idle()
-            return {name: h.summary() for name, h in sorted(self._done.items())}
+            return self._close_idle()
 
-    def _close_idle(self) -> None:
+    def _close_idle(self) -> list[tuple[str, float]]:
         now = self.clock()
-        for ident in [i for i, f in self._open.items() if now - f.last_end > WORKFLOW_IDLE_SECS]:
-            self._finish(ident)
+        idle = [i for i, f in self._open.items() if now - f.last_end > WORKFLOW_IDLE_SECS]
+        return [self._finish(ident) for ident in idle]
 
-    def _finish(self, ident: str) -> None:
+    def _finish(self, ident: str) -> tuple[str, float]:
         flow = self._open.pop(ident)
-        self._done.setdefault(flow.name, Histogram()).observe((flow.last_end - flow.first_start) * 1000)
+        return flow.name, (flow.last_end - flow.first_start) * 1000
 
 
-workflows = Workflows()
+# KEYS: the open workflows (hash ident -> [name, first start, last end]), their last ends (zset).
+# ARGV: now, idle secs, then ident, name, started, ended, last ('1' or '0') or nothing (only
+# close the idle ones). Returns name, ms, name, ms ... of the workflows it closed: one script, so
+# two web processes never close the same workflow twice.
+WORKFLOW_LUA = """
+local closed = {}
+local function finish(id)
+  local raw = redis.call('HGET', KEYS[1], id)
+  redis.call('HDEL', KEYS[1], id)
+  redis.call('ZREM', KEYS[2], id)
+  if raw then
+    local flow = cjson.decode(raw)
+    table.insert(closed, flow[1])
+    table.insert(closed, tostring((flow[3] - flow[2]) * 1000))
+  end
+end
+local now, idle = tonumber(ARGV[1]), tonumber(ARGV[2])
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. tostring(now - idle))) do
+  finish(id)
+end
+if #ARGV > 2 then
+  local id, name, started, ended = ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+  local raw = redis.call('HGET', KEYS[1], id)
+  if raw then
+    local flow = cjson.decode(raw)
+    started, ended = math.min(flow[2], started), math.max(flow[3], ended)
+  end
+  redis.call('HSET', KEYS[1], id, cjson.encode({name, started, ended}))
+  redis.call('ZADD', KEYS[2], ended, id)
+  if ARGV[7] == '1' then finish(id) end
+end
+return closed
+"""
+
+
+class RedisWorkflows(WorkflowStore):
+    def __init__(self, redis: LoopRedis, clock: Any = time.time) -> None:
+        self.redis = redis
+        self.clock = clock
+
+    async def observe(self, ident: str, name: str, started: float, ended: float, last: bool) -> list[tuple[str, float]]:
+        return await self._run([ident, name, repr(started), repr(ended), "1" if last else "0"])
+
+    async def close_idle(self) -> list[tuple[str, float]]:
+        return await self._run([])
+
+    async def _run(self, request: list[str]) -> list[tuple[str, float]]:
+        keys = [state_key("workflows", "open"), state_key("workflows", "ends")]
+        found = await self.redis.run_script(WORKFLOW_LUA, keys, [repr(self.clock()), WORKFLOW_IDLE_SECS, *request])
+        return [(found[i], float(found[i + 1])) for i in range(0, len(found), 2)]
+
+
+_memory_workflows = MemoryWorkflows()
+
+
+def get_workflows() -> WorkflowStore:
+    return RedisWorkflows(shared_redis()) if is_distributed() else _memory_workflows
+
+
+async def _count_closed(closed: list[tuple[str, float]]) -> None:
+    if closed:
+        await get_counters().record([observation(WORKFLOW_FAMILY, ms, workflow=name) for name, ms in closed])
+
+
+async def _observe_workflow(header: str, started: float, ended: float, last: bool) -> None:
+    name, _, ident = header.partition("/")
+    await _count_closed(await get_workflows().observe(ident or name, name, started, ended, last))
+
+
+async def close_idle_workflows() -> None:
+    await _count_closed(await get_workflows().close_idle())
+
+
+def observe_workflow(header: str, started: float, ended: float, last: bool) -> None:
+    """A request of the workflow `header` (`<name>/<id>`) ran from `started` to `ended` (wall
+    clock); `last`: the client marked it the workflow's end. Off the response path."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        async_to_sync(_observe_workflow)(header, started, ended, last)
+        return
+    in_background(_observe_workflow(header, started, ended, last), f"workflow {json.dumps(header)}")

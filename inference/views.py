@@ -141,7 +141,7 @@ class ModelOptionsView(APIView):
 class MemoryStatusView(APIView):
     async def get(self, request: Request) -> JsonResponse:
         status = await get_client().control("memory_status")
-        status["latency"] = {"routes": latency.routes.summary(), "workflows": latency.workflows.summary()}
+        status["latency"] = await latency.summary()
         return JsonResponse(models.hide_paths(status, is_admin(request.auth)))
 
 

@@ -336,7 +336,7 @@ def record_observations(record: CallRecord, route: str, duration_ms: float, ok: 
         if isinstance(engine.get("ms_per_page"), (int, float)):
             found.append(observation("hypnos_document_ms_per_page", engine["ms_per_page"], model=model))
     if record.stages:
-        found.append(observation("hypnos_workflow_e2e_ms", duration_ms, route=route))
+        found.append(observation("hypnos_pipeline_e2e_ms", duration_ms, route=route))
     return found
 
 

@@ -16,6 +16,7 @@ import redis
 from hypnos_site.config import KeyConfig
 from hypnos_site.errors import RateLimited
 from hypnos_site.metrics import RedisCounters, get_counters, observation
+from inference.latency import WORKFLOW_IDLE_SECS, RedisWorkflows, get_workflows
 from logs.store import levels
 from models_registry.authentication import ApiPrincipal
 from models_registry.quotas import Permit, RedisQuotas, get_quotas, secs_to_midnight
@@ -142,3 +143,58 @@ async def test_the_views_use_redis_when_distributed(api, settings, shared):
     await post_json(api, "/v1/logs/level", {"level": "debug"}, authorization="Bearer sk-admin")
     assert redis.Redis.from_url(REDIS_URL, decode_responses=True).get(f"{shared}:logs:level") == "debug"
     assert await levels.get() == "debug"
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_workflow_spread_over_two_processes_closes_once(shared):
+    clock = Clock(1000.0)
+    a, b = RedisWorkflows(LoopRedis(REDIS_URL), clock), RedisWorkflows(LoopRedis(REDIS_URL), clock)
+    assert await a.observe("turn-1", "voice", 1000.0, 1000.4, last=False) == []
+    assert await b.observe("turn-1", "voice", 1000.5, 1001.2, last=False) == []
+    assert await a.observe("turn-1", "voice", 1001.3, 1002.0, last=True) == [("voice", pytest.approx(2000.0))]
+    assert await b.close_idle() == []
+    # Many requests of one workflow at once, the last marked: it closes exactly once.
+    ends = await asyncio.gather(
+        *[(a, b)[i % 2].observe("turn-2", "voice", 1000.0 + i, 1000.5 + i, last=i == 9) for i in range(10)]
+    )
+    assert [c for closed in ends for c in closed] == [("voice", pytest.approx(9500.0))]
+
+
+async def test_an_idle_workflow_is_closed_by_whichever_process_looks_first(shared):
+    clock = Clock(1000.0)
+    a, b = RedisWorkflows(LoopRedis(REDIS_URL), clock), RedisWorkflows(LoopRedis(REDIS_URL), clock)
+    await a.observe("chat-1", "agent", 1000.0, 1003.0, last=False)
+    clock.now = 1003.0 + WORKFLOW_IDLE_SECS - 1
+    assert await b.close_idle() == []
+    clock.now = 1003.0 + WORKFLOW_IDLE_SECS + 1
+    closed = await asyncio.gather(a.close_idle(), b.close_idle())
+    assert sorted(c for found in closed for c in found) == [("agent", pytest.approx(3000.0))]
+
+
+async def test_route_and_workflow_latency_come_from_the_shared_store(api, settings, shared):
+    with_server(settings)
+    assert isinstance(get_workflows(), RedisWorkflows)
+    turn = {"x-hypnos-workflow": "voice/t-1"}
+    assert (await post_json(api, URL, CHAT, **turn)).status_code == 200
+    await read_sse(await post_json(api, URL, CHAT | {"stream": True}, **turn, **{"x-hypnos-workflow-end": "true"}))
+    # What another web process counted is in this one's figures: one more route sample and
+    # one more workflow, written straight to the store.
+    other = RedisCounters(LoopRedis(REDIS_URL))
+    await other.record(
+        [
+            observation("hypnos_http_request_latency_ms", 7000, route="/v1/chat/completions"),
+            observation("hypnos_workflow_e2e_ms", 40, workflow="voice"),
+        ]
+    )
+    latency = (await api.get("/v1/memory/status")).json()["latency"]
+    assert latency["routes"]["/v1/chat/completions"]["count"] == 3
+    assert latency["routes"]["/v1/chat/completions"]["p99_ms"] == 10000
+    voice = latency["workflows"]["voice"]
+    assert voice["count"] == 2 and voice["p50_ms"] == 50 and 50 <= voice["p99_ms"]

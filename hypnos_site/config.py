@@ -99,6 +99,9 @@ class ServerConfig(_Strict):
     # model block's `workers` pins name. Unset: the host's name, so several workers on one host
     # need one each.
     worker_id: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    # SIGTERM to a web process or an inference worker: it stops taking requests and lets the
+    # running ones finish for up to this long, then exits.
+    shutdown_drain_secs: float = Field(default=30.0, ge=0)
     # How long a long job (a document conversion) may wait for a Celery worker to take it before
     # the request is a 503 (distributed; the job is revoked), and how many jobs one Celery
     # worker process runs at once (`./run.sh jobs`).

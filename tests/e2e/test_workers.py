@@ -295,3 +295,68 @@ def test_sigterm_withdraws_a_worker_and_lets_its_stream_finish(cluster):
     assert cluster.chat()["hypnos_telemetry"]["worker"] != holder
     cluster.start_worker(holder)
     cluster.wait_workers({"gpu-a", "gpu-b"})
+
+
+def test_two_web_processes_share_latency_and_sigterm_drains_one(cluster):
+    """A second daphne on the same Redis and PostgreSQL: a workflow whose requests reach both is
+    counted once, in the figures of either; SIGTERM to it stops the listening at once and lets
+    its stream finish."""
+    port = free_port()
+    web2 = start("daphne-2", ["-m", "hypnos_site.serve"], {**cluster.env, "HYPNOS_PORT": str(port)}, cluster.directory)
+    second = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(second, web2)
+        name = "turn-" + uuid.uuid4().hex[:6]
+        body = {"model": "smollm2-135m", "messages": PARIS_MESSAGES, "max_tokens": 2}
+        first = httpx.post(
+            f"{cluster.base_url}{CHAT}", json=body, headers={"x-hypnos-workflow": f"{name}/1"}, timeout=60
+        )
+        last = httpx.post(
+            f"{second}{CHAT}",
+            json=body,
+            headers={"x-hypnos-workflow": f"{name}/1", "x-hypnos-workflow-end": "true"},
+            timeout=60,
+        )
+        assert first.status_code == last.status_code == 200
+        deadline = time.monotonic() + 5
+        while True:
+            seen = [
+                httpx.get(f"{base}/v1/memory/status", timeout=30).json()["latency"]
+                for base in (cluster.base_url, second)
+            ]
+            if all(name in s["workflows"] for s in seen) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert seen[0]["workflows"][name] == seen[1]["workflows"][name]
+        assert seen[0]["workflows"][name]["count"] == 1
+        assert seen[0]["routes"]["/v1/chat/completions"]["count"] >= 2
+
+        refused: list[type[Exception]] = []
+
+        def terminate() -> None:
+            web2.popen.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            try:
+                httpx.get(f"{second}/ready", timeout=2)
+            except httpx.ConnectError as exc:
+                refused.append(type(exc))
+
+        with httpx.stream(
+            "POST", f"{second}{CHAT}", json={**STORY, "max_tokens": 120, "stream": True}, timeout=60
+        ) as response:
+            assert response.status_code == 200
+            events = sse(response, terminate)
+        assert refused == [httpx.ConnectError]  # no longer listening while its stream ran on
+        assert events[-1] == "[DONE]"
+        finish = [
+            c["choices"][0]["finish_reason"]
+            for c in events[:-1]
+            if c.get("choices") and c["choices"][0].get("finish_reason")
+        ]
+        assert finish == ["length"], events[-3:]
+        assert web2.popen.wait(30) == 0
+        assert "no longer accepting connections; letting 1 request(s) finish" in web2.log.read_text()
+        # The first web process serves on.
+        assert cluster.chat()["choices"][0]["message"]["content"]
+    finally:
+        web2.stop()

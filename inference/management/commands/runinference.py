@@ -62,7 +62,7 @@ class Command(BaseCommand):
         # The pool: the config file's models with the run-time changes kept in the database.
         worker = Worker(await sync_to_async(with_overlay)(settings.HYPNOS))
         worker.start()
-        server = ChannelServer(worker, get_channel_layer())
+        server = ChannelServer(worker, get_channel_layer(), drain_secs=settings.HYPNOS.server.shutdown_drain_secs)
         try:
             await server.serve(stop)
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from django.db import InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.urls import Resolver404, resolve
 from rest_framework import exceptions as drf
@@ -144,6 +145,20 @@ class JobLost(ModelNotAvailable):
     """A long job that stopped reporting (its Celery worker died) or that no worker took."""
 
 
+class DatabaseUnavailable(ModelNotAvailable):
+    """The database did not answer (PostgreSQL down or unreachable): an API-key lookup, the
+    request log, the pool overlay. 503 with the type the spec's clients already retry on
+    (model_not_available, as when the shared Redis is gone) and its own code; GET /ready says
+    when the database answers again."""
+
+    code = "database_unavailable"
+
+
+# What Django raises when the database cannot be reached or the connection broke (not the
+# errors of a bad query: those stay 500s).
+DATABASE_ERRORS = (OperationalError, InterfaceError)
+
+
 class DeadlineUnmeetable(HypnosError):
     status = 503
     type = "deadline_unmeetable"
@@ -200,6 +215,23 @@ class PullFailed(HypnosError):
 STILL_STAGING = "Hypnos is still pre-staging its startup models; retry shortly (GET /ready reports when it is done)"
 
 
+def database_reason(exc: BaseException) -> str:
+    """The driver's message in one short line (psycopg's spans lines: the host, then why)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = "; ".join(lines) or type(exc).__name__
+    return text if len(text) <= 200 else text[:199] + "…"
+
+
+def database_unavailable(exc: BaseException, where: object = None) -> DatabaseUnavailable:
+    """The 503 a database error stands for; one warning line, no traceback (it is an outage,
+    not a bug)."""
+    reason = database_reason(exc)
+    log.warning("the database is not answering (%s): %s", where, reason)
+    return DatabaseUnavailable(
+        f"The database is not answering ({reason}); retry shortly (GET /ready reports when it is back)."
+    )
+
+
 def _from_drf(exc: drf.APIException) -> HypnosError:
     if isinstance(exc, drf.ParseError):
         return InvalidRequest(f"We could not parse the body of your request: {exc.detail}")
@@ -238,6 +270,8 @@ def as_hypnos_error(exc: Exception, view: object = None) -> HypnosError:
         exc = NotFound(str(exc) or "Not found.")
     if isinstance(exc, drf.APIException):
         exc = _from_drf(exc)
+    if isinstance(exc, DATABASE_ERRORS):
+        exc = database_unavailable(exc, type(view).__name__ if view is not None else None)
     if not isinstance(exc, HypnosError):
         log.exception("unhandled error in %s", view)
         exc = ServerError(f"internal error: {type(exc).__name__}")
@@ -247,3 +281,15 @@ def as_hypnos_error(exc: Exception, view: object = None) -> HypnosError:
 def exception_handler(exc: Exception, context: dict[str, Any]) -> JsonResponse | None:
     """DRF's EXCEPTION_HANDLER: every error of a /v1 view leaves through here."""
     return as_hypnos_error(exc, context.get("view")).response()
+
+
+def uncaught_response(request: HttpRequest, exc: BaseException | None) -> HttpResponse:
+    """Django's handler500: what an exception no view handled answers, one raised by a
+    middleware (the accounting middleware's key lookup) or a plain Django view. A database
+    error is the 503 above, in the route's shape (`refusal`), and marked as logged so Django
+    does not log it again with its traceback; anything else is the 500 it always was."""
+    if isinstance(exc, DATABASE_ERRORS):
+        response = refusal(request, database_unavailable(exc, request.path))
+        response._has_been_logged = True  # type: ignore[attr-defined]  # django.utils.log.log_response
+        return response
+    return ServerError("internal error").response()

@@ -131,6 +131,12 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
     }
     DATABASES["default"]["CONN_MAX_AGE"] = 0
+elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    # A PostgreSQL that is down or unreachable fails a connection attempt within 3 s (libpq has
+    # no limit of its own: the OS's TCP timeout, minutes, or for ever against a host that accepts
+    # and never answers): GET /ready says so and a request that needs the database is a 503
+    # (hypnos_site.errors.DatabaseUnavailable), not a hung thread. ?connect_timeout= in the URL wins.
+    DATABASES["default"].setdefault("OPTIONS", {}).setdefault("connect_timeout", 3)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 if HYPNOS.server.deployment == "distributed":

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from asgiref.sync import sync_to_async
-from django.http import HttpRequest, HttpResponseBase, JsonResponse
+from django.db import DatabaseError, connection
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 from rest_framework.parsers import BaseParser
 from rest_framework.request import Request
 
 from hypnos_site import __version__
-from hypnos_site.errors import InvalidRequest, NotFound
+from hypnos_site.errors import InvalidRequest, NotFound, database_reason, uncaught_response
 from inference import latency
+from inference.deadline import within
 from inference.parsers import JSONParser, MultiPartParser
 from inference.protocol import (
     AdvisorRequest,
@@ -47,6 +51,12 @@ from models_registry.api_view import APIView
 from models_registry.authentication import IsAdminKey, IsAdminKeyForChanges, is_admin
 
 STARTED_AT = time.time()
+# GET /ready's database probe: past this it answers 503 (settings' connect_timeout, 3 s for
+# PostgreSQL, bounds a connection attempt; this bounds a query on a connection that hangs).
+DATABASE_PROBE_SECS = 5.0
+# One thread of its own: its connection is kept between probes (a SELECT 1 on an open connection
+# when healthy), and a probe stuck on a dead server holds this thread, not the loop's pool.
+_database_probe = ThreadPoolExecutor(1, thread_name_prefix="hypnos-ready-db")
 
 
 class ChatCompletionsView(APIView):
@@ -319,14 +329,45 @@ async def ready(request: HttpRequest) -> JsonResponse:
         return JsonResponse({"ready": False, "reason": "no inference worker is answering"}, status=503)
     if not status["ready"]:
         return JsonResponse({"ready": False, "reason": "startup tier initialization in progress"}, status=503)
+    problem = await database_problem()
+    if problem is not None:
+        return JsonResponse({"ready": False, "reason": f"the database is not answering: {problem}"}, status=503)
     return JsonResponse({"ready": True})
+
+
+def _select_one() -> None:
+    """SELECT 1 on this thread's connection. One that fails is closed, so the next probe
+    connects afresh and the database's return is noticed by itself; a kept connection that
+    fails (the server restarted since the last probe) is tried once more on a new one."""
+    while True:
+        reused = connection.connection is not None
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1")
+                cursor.fetchone()
+            return
+        except DatabaseError:
+            connection.close()
+            if not reused:
+                raise
+
+
+async def database_problem() -> str | None:
+    """Why the database does not answer, in a few words, or None when it does."""
+    probe = sync_to_async(_select_one, thread_sensitive=False, executor=_database_probe)
+    try:
+        await within(probe(), DATABASE_PROBE_SECS)
+    except TimeoutError:
+        return f"no answer within {DATABASE_PROBE_SECS:g} s"
+    except DatabaseError as exc:
+        return database_reason(exc)
+    return None
 
 
 def handler404(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:
     return NotFound(f"Unknown route {request.method} {request.path}.").response()
 
 
-def handler500(request: HttpRequest) -> JsonResponse:
-    from hypnos_site.errors import ServerError
-
-    return ServerError("internal error").response()
+def handler500(request: HttpRequest) -> HttpResponse:
+    # Django calls it inside the `except` of the exception no view handled.
+    return uncaught_response(request, sys.exc_info()[1])

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
+from django.db import connection
 from django.db.models import Q, QuerySet
 
-from hypnos_site.errors import InvalidRequest
+from hypnos_site.errors import DATABASE_ERRORS, InvalidRequest, database_reason
 from logs.capture import INFERENCE_ROUTES, LEVELS
 from logs.models import RequestLogEntry
 from models_registry.shared_state import is_distributed, shared_redis, state_key
@@ -64,8 +65,14 @@ def store_later(fields: dict[str, Any]) -> None:
 
 def _written(task: asyncio.Future[Any]) -> None:
     _writing.discard(task)
-    if not task.cancelled() and task.exception() is not None:
-        log.error("writing a request log entry failed", exc_info=task.exception())
+    if task.cancelled() or task.exception() is None:
+        return
+    problem = task.exception()
+    if isinstance(problem, DATABASE_ERRORS):
+        # An outage, not a bug: one line per lost entry, no traceback.
+        log.warning("a request log entry was lost: the database is not answering: %s", database_reason(problem))
+    else:
+        log.error("writing a request log entry failed", exc_info=problem)
 
 
 async def settled() -> None:
@@ -78,11 +85,17 @@ async def settled() -> None:
 
 def store_entry(fields: dict[str, Any]) -> RequestLogEntry:
     """Add an entry and drop what the ring buffer no longer holds (sync: runs in a thread)."""
-    entry = RequestLogEntry.objects.create(**{name: storable(value) for name, value in fields.items()})
-    keep = capacity()
-    oldest_kept = list(RequestLogEntry.objects.order_by("-id").values_list("id", flat=True)[keep - 1 : keep])
-    if oldest_kept:
-        RequestLogEntry.objects.filter(id__lt=oldest_kept[0]).delete()
+    try:
+        entry = RequestLogEntry.objects.create(**{name: storable(value) for name, value in fields.items()})
+        keep = capacity()
+        oldest_kept = list(RequestLogEntry.objects.order_by("-id").values_list("id", flat=True)[keep - 1 : keep])
+        if oldest_kept:
+            RequestLogEntry.objects.filter(id__lt=oldest_kept[0]).delete()
+    except DATABASE_ERRORS:
+        # The writer thread sees no request signals, which would close a broken connection:
+        # close it here, so that the entries after the database's return go out on a new one.
+        connection.close()
+        raise
     return entry
 
 

@@ -264,9 +264,16 @@ class InferenceClient:
         if not targets:
             raise InvalidRequest(f"No worker {request.args.get('worker')!r} announces itself.", param="worker")
 
+        quick = len(targets) > 1
+
         async def one(worker: WorkerAnnouncement, request_id: str) -> Any:
-            call = await transport.send(request.model_copy(update={"request_id": request_id}), worker)
-            return await self._result(call, request.op)
+            call = await transport.send(request.model_copy(update={"request_id": request_id}), worker, quick)
+            try:
+                return await self._result(call, request.op)
+            except ModelNotAvailable:
+                if quick and call.worker_channel is None:  # never acknowledged: gone
+                    transport.directory.lost(worker.channel)
+                raise
 
         ids = [request.request_id, *(new_request_id() for _ in targets[1:])]
         results = await asyncio.gather(*(one(w, i) for w, i in zip(targets, ids, strict=True)), return_exceptions=True)
@@ -403,10 +410,14 @@ class ChannelLayerTransport(Transport):
         except (OSError, RedisError) as exc:
             raise ModelNotAvailable(f"The channel layer is unreachable: {type(exc).__name__}: {exc}") from exc
 
-    async def send(self, request: EngineRequest | ControlRequest, worker: WorkerAnnouncement | None) -> _ChannelCall:
-        """Send `request` to `worker`'s own channel (None: the shared one)."""
+    async def send(
+        self, request: EngineRequest | ControlRequest, worker: WorkerAnnouncement | None, quick: bool = False
+    ) -> _ChannelCall:
+        """Send `request` to `worker`'s own channel (None: the shared one). `quick`: one of a
+        fan-out, which the other workers can answer: it gets REPLY_DEADLINE_SECS to be
+        acknowledged, not the whole ack timeout."""
         call = _ChannelCall(request.request_id, self.layer, "", self.ack_timeout)
-        await self._send(call, request, worker, frozenset())
+        await self._send(call, request, worker, frozenset(), quick)
         return call
 
     async def _send(
@@ -415,11 +426,12 @@ class ChannelLayerTransport(Transport):
         request: EngineRequest | ControlRequest,
         worker: WorkerAnnouncement | None,
         tried: frozenset[str],
+        quick: bool = False,
     ) -> None:
         # Where another worker could take the request, one that does not acknowledge it within
         # the reply deadline is taken for lost, and the request goes to the next one.
         others = isinstance(request, EngineRequest) and worker is not None and len(await self.directory.live()) > 1
-        ack = min(self.ack_timeout, REPLY_DEADLINE_SECS) if others else self.ack_timeout
+        ack = min(self.ack_timeout, REPLY_DEADLINE_SECS) if others or quick else self.ack_timeout
         reply = await _guarded(self.layer.new_channel("hypnos.reply."))
         message = {
             "type": "inference.request",

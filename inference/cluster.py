@@ -177,7 +177,9 @@ def candidates(workers: Iterable[WorkerAnnouncement], name: str) -> list[Candida
 
 def choose(found: list[Candidate], claimed: str | None = None) -> tuple[Candidate, bool] | None:
     """Where the request goes, and whether that loads the model somewhere new (then the caller
-    claims it). `claimed`: the worker another request already placed the model on."""
+    claims it). `claimed`: the channel of the worker process another request already placed the
+    model on (a channel, not a worker id: a worker restarted since is a new process that holds
+    nothing, so the claim no longer binds)."""
     if not found:
         return None
     ready = [c for c in found if c.worker.ready] or found
@@ -193,7 +195,7 @@ def choose(found: list[Candidate], claimed: str | None = None) -> tuple[Candidat
     if warm:
         return min(warm, key=lambda c: c.load), False
     for c in ready:
-        if c.worker.worker_id == claimed:
+        if c.worker.channel == claimed:
             return c, False
     return _most_room(ready), True
 
@@ -267,10 +269,10 @@ class WorkerDirectory:
         assert picked is not None
         chosen, fresh = picked
         if fresh:
-            won = await redis.set(claim, chosen.worker.worker_id, nx=True, px=CLAIM_MS)
+            won = await redis.set(claim, chosen.worker.channel, nx=True, px=CLAIM_MS)
             if not won:
                 other = await redis.get(claim)
-                chosen = next((c for c in found if c.worker.worker_id == other), chosen)
+                chosen = next((c for c in found if c.worker.channel == other), chosen)
         return chosen.worker
 
     async def control_targets(self, request: ControlRequest) -> list[WorkerAnnouncement] | None:

@@ -7,6 +7,7 @@ machine without them the tests skip, saying which service is missing.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -55,6 +56,42 @@ def postgres_url() -> Iterator[str]:
     yield f"{base}/{name}"
     with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def start_redis(port: int, directory: Path) -> subprocess.Popen[bytes]:
+    """A Redis of the test's own on `port` (never the shared one: a test may kill it), keeping
+    nothing on disk; returns once it answers."""
+    require_service("redis-server (the binary)", lambda: shutil.which("redis-server") or _missing("redis-server"))
+    server = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(directory),
+        ],
+        stdout=(directory / "redis.log").open("ab"),
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            redis.Redis(port=port, socket_timeout=1).ping()
+            return server
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    server.kill()
+    pytest.fail(f"redis-server on port {port} did not start")
+
+
+def _missing(name: str) -> None:
+    raise FileNotFoundError(f"{name} is not on PATH")
 
 
 def free_port() -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import signal
 import subprocess
 import threading
@@ -27,12 +26,11 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-import redis
 from channels_redis.core import RedisChannelLayer
 
 from inference.client import ChannelLayerTransport, InferenceClient
 from tests.conftest import PARIS_MESSAGES
-from tests.e2e.conftest import Proc, base_env, free_port, require_service, run_manage, start, wait_ready, write_config
+from tests.e2e.conftest import Proc, base_env, free_port, run_manage, start, start_redis, wait_ready, write_config
 
 pytestmark = pytest.mark.e2e
 ACK_TIMEOUT_SECS = 2.0
@@ -81,38 +79,8 @@ class Deployment:
         return asyncio.run(send())
 
 
-def start_redis(port: int, directory: Path) -> subprocess.Popen[bytes]:
-    server = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(directory),
-        ],
-        stdout=(directory / "redis.log").open("ab"),
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            redis.Redis(port=port, socket_timeout=1).ping()
-            return server
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    server.kill()
-    pytest.fail(f"redis-server on port {port} did not start")
-
-
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory, postgres_url: str) -> Iterator[Deployment]:
-    require_service("redis-server (the binary)", lambda: shutil.which("redis-server") or _missing("redis-server"))
     directory = tmp_path_factory.mktemp("faults")
     redis_port, port = free_port(), free_port()
     redis_server = start_redis(redis_port, directory)
@@ -138,10 +106,6 @@ def deployment(tmp_path_factory, postgres_url: str) -> Iterator[Deployment]:
         worker.stop()
         found.redis.kill()
         found.redis.wait()
-
-
-def _missing(name: str) -> None:
-    raise FileNotFoundError(f"{name} is not on PATH")
 
 
 def sse_events(response: httpx.Response, on_content: Any = None) -> tuple[list[Any], float]:

@@ -55,7 +55,19 @@ def test_a_request_goes_where_its_model_is_in_tier_1_then_tier_2():
 def test_a_model_loaded_nowhere_goes_to_the_most_room_and_is_claimed():
     assert picked([worker("a", free=GIB, m=cold()), worker("b", free=3 * GIB, m=cold())]) == ("b", True)
     # Another request already placed it: the same worker, whatever the room.
-    assert picked([worker("a", free=GIB, m=cold()), worker("b", free=3 * GIB, m=cold())], claimed="a") == ("a", False)
+    claimed = "hypnos.worker.a!x"
+    assert picked([worker("a", free=GIB, m=cold()), worker("b", free=3 * GIB, m=cold())], claimed=claimed) == (
+        "a",
+        False,
+    )
+    # A claim of a worker process that has died since (its restarted process has a new channel)
+    # binds nothing.
+    assert picked(
+        [worker("a", free=GIB, m=cold()), worker("b", free=3 * GIB, m=cold())], claimed="hypnos.worker.a!old"
+    ) == (
+        "b",
+        True,
+    )
     # Free room first; room that needs an (unleased) eviction after.
     busy = worker("a", free=GIB, m=cold(), other=hot())
     assert picked([busy, worker("b", free=2 * GIB, m=cold())]) == ("b", True)

@@ -47,11 +47,19 @@ class Command(BaseCommand):
             action="store_false",
             help="run the worker in this process, without a supervisor that restarts it when it dies by a signal",
         )
+        parser.add_argument(
+            "--restart-delay",
+            type=float,
+            default=FIRST_BACKOFF_SECS,
+            metavar="SECS",
+            help="the supervisor's wait before restarting a worker that died by a signal, doubled after "
+            f"each quick death (default {FIRST_BACKOFF_SECS:g})",
+        )
 
     def handle(self, *args, **options):  # type: ignore[no-untyped-def]
         if options["supervise"]:
             command = [sys.executable, str(BASE_DIR / "manage.py"), "runinference", "--no-supervise"]
-            sys.exit(Supervisor(command).run())
+            sys.exit(Supervisor(command, first_backoff=options["restart_delay"]).run())
         asyncio.run(self._main())
 
     async def _main(self) -> None:
@@ -73,8 +81,9 @@ class Command(BaseCommand):
 class Supervisor:
     """Runs `command` and starts it again whenever it dies by a signal."""
 
-    def __init__(self, command: list[str]):
+    def __init__(self, command: list[str], first_backoff: float = FIRST_BACKOFF_SECS):
         self.command = command
+        self.first_backoff = first_backoff
         self.child: subprocess.Popen[bytes] | None = None
         # Set by the signal handler (so a plain flag: no lock a handler could meet held).
         self.stopping = False
@@ -82,7 +91,7 @@ class Supervisor:
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._forward)
-        backoff = FIRST_BACKOFF_SECS
+        backoff = self.first_backoff
         while True:
             started = time.monotonic()
             self.child = subprocess.Popen(self.command, preexec_fn=_die_with_parent)
@@ -94,7 +103,7 @@ class Supervisor:
                 log.info("inference worker process %d exited with %d", self.child.pid, code)
                 return code
             if time.monotonic() - started >= HEALTHY_SECS:
-                backoff = FIRST_BACKOFF_SECS
+                backoff = self.first_backoff
             log.error(
                 "inference worker process %d died by %s; restarting it in %.1f s",
                 self.child.pid,

@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -43,7 +44,8 @@ GIB = 1 << 30
 
 
 def write_worker_config(directory: Path, name: str, vram_bytes: int) -> Path:
-    """Two models, both cold: where each is loaded is the routing's choice."""
+    """Three models, all cold: where each is loaded is the routing's choice. smollm2-twin is the
+    same weights with `replicas = 2`."""
     suite = load_config({"HYPNOS_CONFIG": str(BASE_DIR / "tests" / "hypnos.test.toml")})
     chat = suite.weights_file(suite.models[0])
     embed = next(suite.weights_file(m) for m in suite.models if m.id == "all-minilm-l6-v2")
@@ -72,6 +74,14 @@ modality = "embeddings"
 engine = "ggml_llama"
 weights_path = "{embed}"
 context_len = 512
+
+[[models]]
+id = "smollm2-twin"
+modality = "text_generation"
+engine = "ggml_llama"
+weights_path = "{chat}"
+context_len = 2048
+replicas = 2
 """
     )
     return path
@@ -304,6 +314,46 @@ def test_sigterm_withdraws_a_worker_and_lets_its_stream_finish(cluster):
     assert cluster.chat()["hypnos_telemetry"]["worker"] != holder
     cluster.start_worker(holder)
     cluster.wait_workers({"gpu-a", "gpu-b"})
+
+
+def served_by(events: list[Any]) -> str:
+    return next(e["hypnos_telemetry"]["worker"] for e in events if isinstance(e, dict) and e.get("hypnos_telemetry"))
+
+
+def concurrent_streams(cluster: Cluster, model: str) -> list[str]:
+    """Two streams of `model`, the second sent once the first is running (announced busy):
+    which worker served each."""
+    body = {**STORY, "model": model, "max_tokens": 60, "temperature": 0, "stream": True}
+    found: dict[int, list[Any]] = {}
+
+    def one(index: int) -> None:
+        with httpx.stream("POST", f"{cluster.base_url}{CHAT}", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            found[index] = sse(response)
+
+    first = threading.Thread(target=one, args=(0,))
+    first.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        row = next(m for m in cluster.memory()["models"] if m["id"] == model)
+        if any(p["active_leases"] for p in row["placements"]):
+            break
+        time.sleep(0.05)
+    time.sleep(0.6)  # the next announcement says so
+    one(1)
+    first.join(120)
+    return [served_by(found[0]), served_by(found[1])]
+
+
+def test_a_model_with_replicas_spreads_and_one_without_stays_on_its_worker(cluster):
+    # replicas = 2: a second stream while the first runs loads the model on the other worker.
+    twin = concurrent_streams(cluster, "smollm2-twin")
+    assert len(set(twin)) == 2, twin
+    assert set(where(cluster.memory(), "smollm2-twin").values()) == {"tier1_gpu_vram"}
+    # replicas = 1 (the default): the second stream queues on the worker that holds the model.
+    single = concurrent_streams(cluster, "smollm2-135m")
+    assert single[0] == single[1], single
+    assert sorted(where(cluster.memory(), "smollm2-135m").values()) == ["tier1_gpu_vram", "tier3_nvme_ssd"]
 
 
 def test_a_redis_restart_under_load_fails_cleanly_and_service_resumes(cluster):

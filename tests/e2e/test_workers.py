@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import psutil
 import pytest
 
@@ -118,10 +119,10 @@ class Cluster:
         return children[0].pid
 
     def chat(self, **extra: Any) -> dict[str, Any]:
+        """A chat through the official OpenAI SDK, unchanged (Hypnos's fields are its extras)."""
+        client = openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
         body = {"model": "smollm2-135m", "messages": PARIS_MESSAGES, "max_tokens": 4, "temperature": 0, **extra}
-        response = httpx.post(f"{self.base_url}{CHAT}", json=body, timeout=60)
-        assert response.status_code == 200, response.text
-        return response.json()
+        return client.chat.completions.create(**body).model_dump()
 
     def start_worker(self, name: str) -> Proc:
         vram = 2 * GIB

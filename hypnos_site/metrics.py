@@ -426,20 +426,10 @@ def _per_worker(status: dict[str, Any]) -> list[Metric]:
     for worker in status.get("workers", []):
         name = str(worker.get("worker_id", ""))
         info.add_metric([name, str(worker.get("device", ""))], 1)
-        for kind, key in [
-            ("budget", "tier1_vram_budget_bytes"),
-            ("used", "tier1_vram_used_bytes"),
-            ("free", "tier1_vram_free_bytes"),
-        ]:
-            if worker.get(key) is not None:
-                vram.add_metric([name, kind], worker[key])
-        for kind, key in [
-            ("budget", "tier2_pinned_ram_budget_bytes"),
-            ("used", "tier2_pinned_ram_used_bytes"),
-            ("free", "tier2_pinned_ram_free_bytes"),
-        ]:
-            if worker.get(key) is not None:
-                ram.add_metric([name, kind], worker[key])
+        for family, prefix in ((vram, "tier1_vram"), (ram, "tier2_pinned_ram")):
+            for kind in ("budget", "used", "free"):
+                if worker.get(f"{prefix}_{kind}_bytes") is not None:
+                    family.add_metric([name, kind], worker[f"{prefix}_{kind}_bytes"])
     tier = GaugeMetricFamily(
         "hypnos_model_worker_tier", "Tier of the model on each worker that has it.", labels=["model", "worker"]
     )

@@ -20,7 +20,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,6 +182,23 @@ def sse(response: httpx.Response, on_first_delta=None) -> list[Any]:  # type: ig
     return events
 
 
+def stream_cut_by(cluster: Cluster, fault: Callable[[], None]) -> None:
+    """A long stream during which `fault` happens (after its first deltas) ends with an error
+    chunk then [DONE] within 2.5 s of it."""
+    at: list[float] = []
+
+    def strike() -> None:
+        fault()
+        at.append(time.monotonic())
+
+    with httpx.stream("POST", f"{cluster.base_url}{CHAT}", json={**STORY, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        events = sse(response, strike)
+    assert at and time.monotonic() - at[0] < 2.5
+    assert events[-1] == "[DONE]"
+    assert events[-2]["error"]["type"] == "model_not_available"
+
+
 def where(status: dict[str, Any], model: str) -> dict[str, str]:
     row = next(m for m in status["models"] if m["id"] == model)
     return {p["worker"]: p["current_tier"] for p in row["placements"]}
@@ -247,19 +264,7 @@ def test_a_killed_worker_is_survived_and_comes_back(cluster):
     holder = cluster.chat()["hypnos_telemetry"]["worker"]
     other = ({"gpu-a", "gpu-b"} - {holder}).pop()
     pid = cluster.worker_pid(holder)
-    killed: list[float] = []
-
-    def kill() -> None:
-        os.kill(pid, signal.SIGKILL)
-        killed.append(time.monotonic())
-
-    with httpx.stream("POST", f"{cluster.base_url}{CHAT}", json={**STORY, "stream": True}, timeout=60) as response:
-        assert response.status_code == 200
-        events = sse(response, kill)
-    ended = time.monotonic()
-    assert killed and ended - killed[0] < 2.5
-    assert events[-1] == "[DONE]"
-    assert events[-2]["error"]["type"] == "model_not_available"
+    stream_cut_by(cluster, lambda: os.kill(pid, signal.SIGKILL))
     # The next request for its model is served by the other worker, which loads it.
     started = time.monotonic()
     answer = cluster.chat()
@@ -362,20 +367,12 @@ def test_a_redis_restart_under_load_fails_cleanly_and_service_resumes(cluster):
     Redis back (empty: it keeps nothing on disk): both workers announce themselves again by
     themselves, requests are served, and nothing is left leased."""
     cluster.chat()
-    stopped: list[float] = []
 
     def stop_redis() -> None:
         cluster.redis.kill()
         cluster.redis.wait()
-        stopped.append(time.monotonic())
 
-    with httpx.stream("POST", f"{cluster.base_url}{CHAT}", json={**STORY, "stream": True}, timeout=60) as response:
-        assert response.status_code == 200
-        events = sse(response, stop_redis)
-    ended = time.monotonic()
-    assert stopped and ended - stopped[0] < 2.5
-    assert events[-1] == "[DONE]"
-    assert events[-2]["error"]["type"] == "model_not_available"
+    stream_cut_by(cluster, stop_redis)
     try:
         refused = httpx.post(
             f"{cluster.base_url}{CHAT}", json={"model": "smollm2-135m", "messages": PARIS_MESSAGES}, timeout=30

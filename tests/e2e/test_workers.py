@@ -238,6 +238,13 @@ def test_a_model_is_loaded_on_one_worker_and_its_requests_go_there(cluster):
     metrics = httpx.get(f"{cluster.base_url}/metrics", timeout=30).text
     assert f'hypnos_model_worker_tier{{model="smollm2-135m",worker="{holder}"}} 1.0' in metrics
     assert f'hypnos_worker_info{{device="simulated",worker="{other}"}} 1.0' in metrics
+    budget = next(
+        line
+        for line in metrics.splitlines()
+        if line.startswith(f'hypnos_worker_vram_bytes{{kind="budget",worker="{other}"}}')
+    )
+    assert float(budget.split()[-1]) == 2 * GIB
+    assert f'hypnos_worker_pinned_ram_bytes{{kind="free",worker="{holder}"}}' in metrics
 
 
 def test_a_promotion_can_name_its_worker(cluster):

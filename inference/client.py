@@ -264,14 +264,12 @@ class InferenceClient:
         if not targets:
             raise InvalidRequest(f"No worker {request.args.get('worker')!r} announces itself.", param="worker")
 
-        quick = len(targets) > 1
-
         async def one(worker: WorkerAnnouncement, request_id: str) -> Any:
-            call = await transport.send(request.model_copy(update={"request_id": request_id}), worker, quick)
+            call = await transport.send(request.model_copy(update={"request_id": request_id}), worker)
             try:
                 return await self._result(call, request.op)
             except ModelNotAvailable:
-                if quick and call.worker_channel is None:  # never acknowledged: gone
+                if call.worker_channel is None:  # never acknowledged: gone
                     transport.directory.lost(worker.channel)
                 raise
 
@@ -410,14 +408,10 @@ class ChannelLayerTransport(Transport):
         except (OSError, RedisError) as exc:
             raise ModelNotAvailable(f"The channel layer is unreachable: {type(exc).__name__}: {exc}") from exc
 
-    async def send(
-        self, request: EngineRequest | ControlRequest, worker: WorkerAnnouncement | None, quick: bool = False
-    ) -> _ChannelCall:
-        """Send `request` to `worker`'s own channel (None: the shared one). `quick`: one of a
-        fan-out, which the other workers can answer: it gets REPLY_DEADLINE_SECS to be
-        acknowledged, not the whole ack timeout."""
+    async def send(self, request: EngineRequest | ControlRequest, worker: WorkerAnnouncement | None) -> _ChannelCall:
+        """Send `request` to `worker`'s own channel (None: the shared one)."""
         call = _ChannelCall(request.request_id, self.layer, "", self.ack_timeout)
-        await self._send(call, request, worker, frozenset(), quick)
+        await self._send(call, request, worker, frozenset())
         return call
 
     async def _send(
@@ -426,12 +420,12 @@ class ChannelLayerTransport(Transport):
         request: EngineRequest | ControlRequest,
         worker: WorkerAnnouncement | None,
         tried: frozenset[str],
-        quick: bool = False,
     ) -> None:
-        # Where another worker could take the request, one that does not acknowledge it within
-        # the reply deadline is taken for lost, and the request goes to the next one.
-        others = isinstance(request, EngineRequest) and worker is not None and len(await self.directory.live()) > 1
-        ack = min(self.ack_timeout, REPLY_DEADLINE_SECS) if others or quick else self.ack_timeout
+        # With other workers alive, one that does not acknowledge within the reply deadline is
+        # taken for lost (a live worker acknowledges within a heartbeat): a request for a model
+        # goes to the next one, a control operation is answered by the others or is a 503.
+        others = worker is not None and len(await self.directory.live()) > 1
+        ack = min(self.ack_timeout, REPLY_DEADLINE_SECS) if others else self.ack_timeout
         reply = await _guarded(self.layer.new_channel("hypnos.reply."))
         message = {
             "type": "inference.request",
@@ -443,10 +437,10 @@ class ChannelLayerTransport(Transport):
         }
         await _guarded(self.layer.send(worker.channel if worker is not None else REQUEST_CHANNEL, message))
         call.reply, call.ack_timeout, call.expected_seq = reply, ack, 0
-        if not others:
+        if not others or not isinstance(request, EngineRequest):
             call.no_ack = None
             return
-        assert worker is not None and isinstance(request, EngineRequest)
+        assert worker is not None
         tried = tried | {worker.channel}
 
         async def elsewhere() -> bool:

@@ -182,6 +182,17 @@ def sse(response: httpx.Response, on_first_delta=None) -> list[Any]:  # type: ig
     return events
 
 
+def assert_finished(events: list[Any]) -> None:
+    """The stream ended as the model ended it (stop or length), not cut, then [DONE]."""
+    assert events[-1] == "[DONE]"
+    finish = [
+        c["choices"][0]["finish_reason"]
+        for c in events[:-1]
+        if c.get("choices") and c["choices"][0].get("finish_reason")
+    ]
+    assert finish in (["length"], ["stop"]), events[-3:]
+
+
 def stream_cut_by(cluster: Cluster, fault: Callable[[], None]) -> None:
     """A long stream during which `fault` happens (after its first deltas) ends with an error
     chunk then [DONE] within 2.5 s of it."""
@@ -312,13 +323,7 @@ def test_sigterm_withdraws_a_worker_and_lets_its_stream_finish(cluster):
         assert response.status_code == 200
         events = sse(response, terminate)
     assert signalled
-    assert events[-1] == "[DONE]"
-    finish = [
-        c["choices"][0]["finish_reason"]
-        for c in events[:-1]
-        if c.get("choices") and c["choices"][0].get("finish_reason")
-    ]
-    assert finish in (["length"], ["stop"]), events[-3:]  # ended as the model ended it, not cut
+    assert_finished(events)
     proc.popen.wait(30)
     assert proc.popen.returncode == 0
     status = cluster.wait_workers({"gpu-a", "gpu-b"} - {holder}, timeout=10)
@@ -457,13 +462,7 @@ def test_two_web_processes_share_latency_and_sigterm_drains_one(cluster):
             assert response.status_code == 200
             events = sse(response, terminate)
         assert refused == [httpx.ConnectError]  # no longer listening while its stream ran on
-        assert events[-1] == "[DONE]"
-        finish = [
-            c["choices"][0]["finish_reason"]
-            for c in events[:-1]
-            if c.get("choices") and c["choices"][0].get("finish_reason")
-        ]
-        assert finish in (["length"], ["stop"]), events[-3:]  # ended as the model ended it, not cut
+        assert_finished(events)
         assert web2.popen.wait(30) == 0
         assert "no longer accepting connections; letting 1 request(s) finish" in web2.log.read_text()
         # The first web process serves on.

@@ -6,8 +6,10 @@
   `manage.py runinference` listens on; events come back on a per-request reply channel, numbered,
   so a lost message is an error and not a silent gap. A worker that does not acknowledge within
   `server.worker_ack_timeout_secs` is a 503, never a hang; once it has, it sends a heartbeat on
-  the reply channel of every running request, and a worker silent for REPLY_DEADLINE_SECS (killed,
-  crashed, cut off) ends the request with the same 503 (in a stream: an error chunk).
+  the reply channel of every running request, and a worker silent for REPLY_DEADLINE_SECS whose
+  announcement has lapsed as well (killed, crashed, cut off) ends the request with the same 503
+  (in a stream: an error chunk). A worker that still announces itself is busy, not gone: a loaded
+  machine can starve its event loop past a few heartbeats, and the request waits on for it.
 
 Once the engine runs, a request that gets no event for `limits.request_timeout_secs` (a stalled
 engine) ends with 504 `timeout` (spec §4: the engine-side timeout; the 408 of the timeout layer
@@ -38,7 +40,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from hypnos_site.errors import EngineTimeout, HypnosError, InvalidRequest, ModelNotAvailable, ServerError
-from inference.cluster import WorkerDirectory, merge_memory_status, merge_status
+from inference.cluster import ANNOUNCE_SECS, WorkerDirectory, merge_memory_status, merge_status
 from inference.deadline import within
 from inference.entities import Span
 from inference.transcripts import Transcript
@@ -74,8 +76,15 @@ REQUEST_CHANNEL = "hypnos.inference"
 STATUS_TIMEOUT_SECS = 10.0
 NO_WORKER = "No inference worker answered within {secs:g} s; start one with `manage.py runinference`."
 # The worker sends a heartbeat every HEARTBEAT_SECS (channel_server.py) on the reply channel of
-# a request that has nothing else to send; three missed ones mean the worker is gone.
+# a request that has nothing else to send; three missed ones make the worker suspect. It is lost
+# once its announcement (inference/cluster.py, renewed every ANNOUNCE_SECS by the same event loop)
+# has lapsed too: at most ANNOUNCE_TTL_SECS after a kill, and never while the worker still
+# announces itself (busy: its heartbeats late on a loaded machine). The announcement is looked
+# at again every ANNOUNCE_SECS meanwhile.
 REPLY_DEADLINE_SECS = 1.5
+# A worker that announces itself but sends this request nothing for this long is lost even so:
+# its event loop runs (it announces), so this request's relay is stuck.
+SILENCE_CAP_SECS = 10.0
 WORKER_LOST = (
     "The inference worker stopped answering (nothing for {secs:g} s); it is being restarted or is gone. Retry shortly."
 )
@@ -410,7 +419,7 @@ class ChannelLayerTransport(Transport):
 
     async def send(self, request: EngineRequest | ControlRequest, worker: WorkerAnnouncement | None) -> _ChannelCall:
         """Send `request` to `worker`'s own channel (None: the shared one)."""
-        call = _ChannelCall(request.request_id, self.layer, "", self.ack_timeout)
+        call = _ChannelCall(request.request_id, self.layer, "", self.ack_timeout, self.directory)
         await self._send(call, request, worker, frozenset())
         return call
 
@@ -421,9 +430,10 @@ class ChannelLayerTransport(Transport):
         worker: WorkerAnnouncement | None,
         tried: frozenset[str],
     ) -> None:
-        # With other workers alive, one that does not acknowledge within the reply deadline is
-        # taken for lost (a live worker acknowledges within a heartbeat): a request for a model
-        # goes to the next one, a control operation is answered by the others or is a 503.
+        # With other workers alive, one that does not acknowledge within the reply deadline and
+        # no longer announces itself is taken for lost (a live worker acknowledges within a
+        # heartbeat): a request for a model goes to the next one, a control operation is answered
+        # by the others or is a 503. One that still announces itself has the whole ack timeout.
         others = worker is not None and len(await self.directory.live()) > 1
         ack = min(self.ack_timeout, REPLY_DEADLINE_SECS) if others else self.ack_timeout
         reply = await _guarded(self.layer.new_channel("hypnos.reply."))
@@ -431,12 +441,13 @@ class ChannelLayerTransport(Transport):
             "type": "inference.request",
             "reply_channel": reply,
             # A worker that picks this up after the web gave up drops it instead of running it.
-            "ack_deadline": time.time() + ack,
+            "ack_deadline": time.time() + self.ack_timeout,
             "request_id": request.request_id,
             "request": encode_request(request),
         }
         await _guarded(self.layer.send(worker.channel if worker is not None else REQUEST_CHANNEL, message))
         call.reply, call.ack_timeout, call.expected_seq = reply, ack, 0
+        call.worker, call.heard_at = worker, time.monotonic()
         if not others or not isinstance(request, EngineRequest):
             call.no_ack = None
             return
@@ -461,9 +472,18 @@ class ChannelLayerTransport(Transport):
 
 
 class _ChannelCall(InferenceCall):
-    def __init__(self, request_id: str, layer: Any, reply: str, ack_timeout: float):
+    def __init__(
+        self, request_id: str, layer: Any, reply: str, ack_timeout: float, directory: WorkerDirectory | None = None
+    ):
         super().__init__(request_id)
         self.layer, self.reply, self.ack_timeout = layer, reply, ack_timeout
+        # Before an acknowledgement, a worker that still announces itself is waited for this long.
+        self.ack_limit = ack_timeout
+        self.directory = directory
+        # The worker the request was routed to (None: the shared channel), and when it was last
+        # heard from (or the request sent).
+        self.worker: WorkerAnnouncement | None = None
+        self.heard_at = time.monotonic()
         self.worker_channel: str | None = None
         self.expected_seq = 0
         self._ready: deque[Event] = deque()
@@ -473,9 +493,11 @@ class _ChannelCall(InferenceCall):
     async def next_event(self) -> Event:
         """The next event of the request; heartbeats are taken here and never returned. Before
         the worker accepted the request it has `ack_timeout`, then REPLY_DEADLINE_SECS between
-        two messages, to answer; after that the request is a 503 (or, not yet accepted, goes to
-        another worker). A message carries the events that were ready together; they are
-        handed out one by one."""
+        two messages, to answer; after that, unless it still announces itself (`_busy`), the
+        request is a 503 (or, not yet accepted, goes to another worker). A message carries the
+        events that were ready together; they are handed out one by one."""
+        # Silence counts from now (the caller may have been slow to ask) or the last message.
+        self.heard_at = time.monotonic()
         while True:
             if self._ready:
                 event = self._ready.popleft()
@@ -487,19 +509,37 @@ class _ChannelCall(InferenceCall):
                     continue
                 return event
             accepted = self.worker_channel is not None
-            wait = REPLY_DEADLINE_SECS if accepted else self.ack_timeout
+            deadline = REPLY_DEADLINE_SECS if accepted else self.ack_timeout
+            silent = time.monotonic() - self.heard_at
+            # Suspect already: look at its announcement again soon.
+            wait = deadline - silent if silent < deadline else ANNOUNCE_SECS
             try:
                 message = await within(_guarded(self.layer.receive(self.reply)), wait)
             except TimeoutError:
+                if await self._busy(accepted):
+                    continue
                 if not accepted and self.no_ack is not None and await self.no_ack():
                     continue
-                raise ModelNotAvailable((WORKER_LOST if accepted else NO_WORKER).format(secs=wait)) from None
+                silent = round(time.monotonic() - self.heard_at, 1)
+                raise ModelNotAvailable((WORKER_LOST if accepted else NO_WORKER).format(secs=silent)) from None
+            self.heard_at = time.monotonic()
             if message.get("seq") != self.expected_seq:
                 raise ServerError(
                     f"reply {self.expected_seq} from the inference worker was lost (got {message.get('seq')})"
                 )
             self.expected_seq += 1
             self._ready.extend(decode_event(data) for data in message["events"])
+
+    async def _busy(self, accepted: bool) -> bool:
+        """Whether the worker, silent past its deadline, is to be waited for: it still announces
+        itself (alive, its replies late), and has not been silent past the limit (SILENCE_CAP_SECS;
+        before it accepted the request, the whole ack timeout, which the request carries)."""
+        limit = SILENCE_CAP_SECS if accepted else self.ack_limit
+        if self.worker is None or self.directory is None or time.monotonic() - self.heard_at >= limit:
+            return False
+        if accepted and self.worker_channel != self.worker.channel:
+            return False
+        return await self.directory.announces(self.worker)
 
     async def abort(self) -> None:
         """Tell the worker to stop the request. Never raises: it runs in the `finally` of the

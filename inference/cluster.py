@@ -5,7 +5,9 @@ Each `manage.py runinference` announces itself (a wire.WorkerAnnouncement: its c
 budgets, and each model's tier, leases and queue) in Redis every ANNOUNCE_SECS, under a key that
 expires after ANNOUNCE_TTL_SECS: a worker killed or cut off stops being chosen once its key
 lapses, and sooner in a web process that saw it miss an acknowledgement (`WorkerDirectory.lost`).
-A worker that stops cleanly deletes its key first.
+A worker that stops cleanly deletes its key first. The key is also how a web process tells a busy
+worker, whose replies come late on a loaded machine, from a lost one (`WorkerDirectory.announces`,
+inference/client.py): it waits for a silent worker as long as the worker still announces itself.
 
 A web process reads the announcements (at most every DIRECTORY_TTL_SECS) and routes each request
 (`choose`): to a worker that holds the model in tier 1 (the least busy of them; a model whose
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
 from inference.wire import ControlRequest, ModelPlace, WorkerAnnouncement
 from models_registry.shared_state import shared_redis, state_key
@@ -244,6 +247,21 @@ class WorkerDirectory:
         self._lost = {c: at for c, at in self._lost.items() if time.time() - at < 10 * ANNOUNCE_TTL_SECS}
         self._workers, self._read_at = workers, time.monotonic()
         return workers
+
+    async def announces(self, worker: WorkerAnnouncement) -> bool:
+        """Whether this process of `worker` still announces itself: its key has not lapsed (the
+        process killed, cut off, or its event loop stuck for ANNOUNCE_TTL_SECS), nor been
+        withdrawn (stopping) or taken over by a process started again since (a new channel)."""
+        try:
+            raw = await shared_redis().client().get(worker_key(worker.worker_id))
+        except (OSError, RedisError):
+            return False
+        if raw is None:
+            return False
+        try:
+            return WorkerAnnouncement.model_validate_json(raw).channel == worker.channel
+        except ValidationError:
+            return False
 
     def lost(self, channel: str) -> None:
         self._lost[channel] = time.time()

@@ -51,6 +51,15 @@ class InferenceRuntime:
             transport = self._client.transport
             return transport.worker if isinstance(transport, InProcessTransport) else None
 
+    def release(self) -> None:
+        """Stop the embedded worker, handing back the memory of its engines, and forget the
+        client: the next use starts both afresh (the test suite, once its in-process tests are
+        done)."""
+        with self._lock:
+            worker, self._worker, self._client = self._worker, None, None
+        if worker is not None:
+            worker.shutdown()
+
     @contextmanager
     def serving(self, worker: Worker) -> Iterator[Worker]:
         """Route the client to `worker` in-process until the block ends (tests: a worker with its

@@ -1,6 +1,37 @@
+"""What the whole suite shares.
+
+The in-process worker of the integration tests (tests/integration/conftest.py `worker`) holds
+real engines; it is let go right after the last test of the run that uses it, so what it loaded
+does not stay in the pytest process through the end-to-end modules, which run after it
+(pytest-django runs the database tests first).
+"""
+
 from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
 
 PARIS_MESSAGES = [
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
 ]
+
+_last_worker_user: list[str] = []
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-django has put the tests in their running order
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    users = [item.nodeid for item in items if "worker" in getattr(item, "fixturenames", ())]
+    _last_worker_user[:] = users[-1:]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    try:
+        return (yield)
+    finally:
+        if _last_worker_user and item.nodeid == _last_worker_user[0]:
+            from inference.runtime import runtime
+
+            runtime.release()

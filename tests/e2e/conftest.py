@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +111,10 @@ def write_config(directory: Path, ack_timeout_secs: float = 5.0) -> Path:
         f"""
 [server]
 worker_ack_timeout_secs = {ack_timeout_secs}
+
+[hardware]
+# Warm copies (tier 2) of at most 1 GiB a server, as in tests/hypnos.test.toml.
+pinned_ram_budget_bytes = 1073741824
 
 [limits]
 max_tokens_cap = 2000
@@ -266,10 +270,10 @@ def base_env(config: Path, data_dir: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="session")
-def distributed(tmp_path_factory, redis_url: str, postgres_url: str) -> Iterator[Server]:
-    """daphne + runinference + Redis + PostgreSQL, as `./run.sh` would run them split."""
-    directory = tmp_path_factory.mktemp("distributed")
+@contextmanager
+def distributed_cluster(directory: Path, redis_url: str, postgres_url: str) -> Iterator[Server]:
+    """daphne + runinference + Redis + PostgreSQL, as `./run.sh` would run them split, with a
+    second daphne and a Celery worker; stopped when the block ends."""
     port = free_port()
     env = base_env(
         write_config(directory),
@@ -315,11 +319,87 @@ def embedded_server(name: str, directory: Path, edit: Callable[[str], str] = lam
         web.stop()
 
 
-@pytest.fixture(scope="session")
-def embedded(tmp_path_factory) -> Iterator[Server]:
-    """`python -m hypnos_site.serve` alone: SQLite, in-process worker, no services."""
-    with embedded_server("embedded", tmp_path_factory.mktemp("embedded")) as server:
-        yield server
+class SharedServers:
+    """The two servers many modules share (`embedded`, `distributed`): each is started by the
+    first test that asks for it and stopped right after the last test of the run that does,
+    instead of at the session's end, so the models it loaded do not stay in memory through the
+    modules that follow (pytest_collection_modifyitems finds that last test)."""
+
+    NAMES = ("embedded", "distributed")
+
+    def __init__(self) -> None:
+        self.running: dict[str, tuple[Server, ExitStack]] = {}
+        self.last_user: dict[str, str] = {}
+
+    def get(self, name: str, start_server: Callable[[], AbstractContextManager[Server]]) -> Server:
+        if name not in self.running:
+            stack = ExitStack()
+            try:
+                server = stack.enter_context(start_server())
+            except BaseException:
+                stack.close()
+                raise
+            self.running[name] = (server, stack)
+        return self.running[name][0]
+
+    def stop(self, name: str) -> None:
+        server_and_stack = self.running.pop(name, None)
+        if server_and_stack is not None:
+            server_and_stack[1].close()
+
+    def stop_all(self) -> None:
+        for name in list(self.running):
+            self.stop(name)
+
+    @classmethod
+    def uses(cls, item: pytest.Item) -> set[str]:
+        """Which shared servers a test needs: by fixture, or through `server`'s parameter."""
+        names = {n for n in cls.NAMES if n in getattr(item, "fixturenames", ())}
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("server") in cls.NAMES:
+            names.add(callspec.params["server"])
+        return names
+
+
+SHARED = SharedServers()
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-django has put the tests in their running order
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    SHARED.last_user.clear()
+    for item in items:
+        for name in SharedServers.uses(item):
+            SHARED.last_user[name] = item.nodeid
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    try:
+        return (yield)
+    finally:
+        for name, nodeid in SHARED.last_user.items():
+            if nodeid == item.nodeid:
+                SHARED.stop(name)
+
+
+def pytest_sessionfinish() -> None:
+    SHARED.stop_all()
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory, redis_url: str, postgres_url: str) -> Server:
+    """The shared distributed deployment (SharedServers)."""
+    return SHARED.get(
+        "distributed",
+        lambda: distributed_cluster(tmp_path_factory.mktemp("distributed"), redis_url, postgres_url),
+    )
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory) -> Server:
+    """The shared embedded server, `python -m hypnos_site.serve` alone: SQLite, in-process
+    worker, no services (SharedServers)."""
+    return SHARED.get("embedded", lambda: embedded_server("embedded", tmp_path_factory.mktemp("embedded")))
 
 
 @pytest.fixture(params=["embedded", "distributed"])

@@ -85,7 +85,8 @@ def test_closing_the_stream_frees_the_model_at_once(server):
         json={"model": MODEL, "messages": PARIS_MESSAGES, "max_tokens": 2},
     )
     assert after.status_code == 200
-    assert after.json()["hypnos_telemetry"]["engine"]["queue_ms"] < 2000
+    # Idle it waits a few ms; a slot still held would make it wait the story's ~30 s (more when busy).
+    assert after.json()["hypnos_telemetry"]["engine"]["queue_ms"] < 10_000
 
 
 def test_a_raw_stream_ends_with_usage_telemetry_and_done(server):

@@ -201,7 +201,7 @@ def test_max_concurrent_admits_exactly_two_of_ten_parallel_streams(pair):
     # Both permits come back once the server has seen the client close the streams: the key streams
     # again, on either process (a retry that comes too early is a call like any other).
     for i in range(2):
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while True:
             with httpx.stream(
                 "POST", pair.url(i) + URL, json=SHORT | {"stream": True}, headers=headers("conc"), timeout=60

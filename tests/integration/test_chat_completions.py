@@ -151,9 +151,9 @@ async def test_the_client_closing_the_stream_stops_generation(api, worker, setti
     finally:
         reader.cancel()
     runtime = worker.models[MODEL]
-    # 2000 tokens take ~30 s here; released within 10 s (~3 s when the machine is quiet) means
-    # it stopped, not that it ran to the end.
-    assert await wait_until(lambda: runtime.admitted == 0 and worker.tiers.entries[MODEL].leases == 0, timeout=10.0)
+    # 2000 tokens take ~30 s here (longer on a busy machine); released within 15 s (~3 s when the
+    # machine is quiet) means it stopped, not that it ran to the end.
+    assert await wait_until(lambda: runtime.admitted == 0 and worker.tiers.entries[MODEL].leases == 0, timeout=15.0)
 
 
 async def test_requests_beyond_the_queue_bound_get_model_busy(api, worker, settings):
@@ -175,7 +175,7 @@ async def test_a_request_past_the_timeout_is_a_408_and_is_aborted(api, worker, s
     assert response.status_code == 408
     assert response["content-type"].startswith("text/plain")
     runtime = worker.models[MODEL]
-    assert await wait_until(lambda: runtime.admitted == 0, timeout=5.0)
+    assert await wait_until(lambda: runtime.admitted == 0, timeout=30.0)
 
 
 async def test_an_image_part_to_a_text_model_is_a_400(api):

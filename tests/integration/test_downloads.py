@@ -139,7 +139,7 @@ class HubHandler(BaseHTTPRequestHandler):
         pass
 
 
-def settled_count(state: HubState, expected: int, timeout: float = 5.0) -> bool:
+def settled_count(state: HubState, expected: int, timeout: float = 30.0) -> bool:
     """The server counts what it sent after writing it, on its own thread: a client that has
     read every byte may look before that count lands."""
     deadline = time.monotonic() + timeout

@@ -269,7 +269,7 @@ async def test_a_finished_call_is_logged_with_its_finish_reason(api):
     assert (record["finish_reason"], record["tokens_out"]) == ("length", 2)
 
 
-async def logged(api: Any, request_id: str, timeout: float = 5.0) -> dict[str, Any]:
+async def logged(api: Any, request_id: str, timeout: float = 30.0) -> dict[str, Any]:
     """The record of `request_id` once it is stored (a call the client dropped is logged just after)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while (response := await api.get(f"/v1/logs/{request_id}", headers=bearer(PLAIN))).status_code == 404:

@@ -36,8 +36,9 @@ CHAT, STT, TTS, SEEING = "smollm2-135m", "whisper-tiny.en", "piper-joe", "smollm
 # What the decodes of the findings took: 2.2 GB (the PNG), 3.25 GB (the FLAC). A refusal must
 # leave the process far below that.
 MAX_GROWTH_BYTES = 150 << 20
-# "At once": a refusal reads a header, not the file (the findings took 6 s and 47 s).
-QUICK_SECS = 2.0
+# "At once": a refusal reads a header, not the file (the findings took 6 s and 47 s; a refusal
+# takes under 0.5 s on an idle machine, 10x that leaves room for a busy one).
+QUICK_SECS = 5.0
 
 
 def png_bomb(width: int = 13000, height: int = 13000) -> bytes:
@@ -205,15 +206,16 @@ def test_the_worker_decodes_no_image_above_max_image_pixels(worker):
     from inference.engines.vision import decode_rgb
 
     assert Image.MAX_IMAGE_PIXELS == 16777216
+    above, bomb = png_bomb(4097, 4096), png_bomb()  # made before the clock starts
     before, started = rss(), time.perf_counter()
     with pytest.raises(InvalidRequest) as caught:
-        decode_rgb(png_bomb(4097, 4096), 0)
+        decode_rgb(above, 0)
     assert caught.value.param == "messages"
     assert caught.value.message == (
         "image 1 of the request is 4097x4096 pixels, above limits.max_image_pixels (16777216)."
     )
     with pytest.raises(InvalidRequest, match="image 2 of the request cannot be decoded"):
-        decode_rgb(png_bomb(), 1)
+        decode_rgb(bomb, 1)
     assert time.perf_counter() - started < QUICK_SECS
     assert rss() - before < MAX_GROWTH_BYTES
     assert decode_rgb(png_bomb(64, 64), 0).size == (64, 64)
@@ -238,7 +240,7 @@ async def test_a_short_transcription_does_not_wait_behind_an_hour_of_flac(api, h
     assert long.status_code == 400, long.content
     assert short.status_code == 200, short.content
     assert short.json()["duration_secs"] == 2.0
-    assert short.json()["hypnos_telemetry"]["engine"]["queue_ms"] < 1000
+    assert short.json()["hypnos_telemetry"]["engine"]["queue_ms"] < 5000  # 0 when idle
 
 
 async def test_it_stops_decoding_a_flac_whose_header_understates_its_length(api, settings):

@@ -69,7 +69,7 @@ async def test_a_size_is_clamped_and_rounded_down_to_16(api, flux):
     engine = body["hypnos_telemetry"]["engine"]
     assert (engine["width"], engine["height"], engine["steps"]) == (288, 256, 2)
     assert engine["steps_done"] >= 2
-    assert await wait_until(lambda: flux.tiers.leases(FLUX) == 0)
+    assert await wait_until(lambda: flux.tiers.leases(FLUX) == 0, 30)
 
 
 async def test_the_same_seed_gives_the_same_png_and_another_seed_another(api, flux):
@@ -97,7 +97,7 @@ async def test_an_edit_and_a_variation_start_from_the_reference(api, flux):
     varied = await api.post("/v1/images/variations", {"model": FLUX, "image": reference(), "size": "256x256", "n": "2"})
     assert varied.status_code == 200, varied.content
     assert len(varied.json()["data"]) == 2
-    assert await wait_until(lambda: flux.tiers.leases(FLUX) == 0)
+    assert await wait_until(lambda: flux.tiers.leases(FLUX) == 0, 30)
 
 
 async def test_a_client_that_leaves_stops_the_batch_after_the_current_image(api, flux):

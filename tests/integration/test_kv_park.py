@@ -9,7 +9,7 @@ import llama_cpp
 import pytest
 
 from inference.worker import Worker
-from tests.integration.conftest import post_json
+from tests.integration.conftest import post_json, wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 SMOL = "smollm2-135m"
@@ -116,6 +116,13 @@ def two_slot_worker(settings, serve) -> Worker:
     return serve(parking_config(settings, slots=2))
 
 
+def kv_tokens(worker: Worker) -> int:
+    """The tokens in the KV of the model's one slot (0 once emptied)."""
+    engine = worker.models[SMOL].engine
+    assert engine is not None
+    return int(engine._llm.n_tokens)
+
+
 def cached(response: dict) -> int:
     return response["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
 
@@ -125,9 +132,10 @@ async def test_a_conversation_idle_past_the_timeout_is_emptied_and_not_parked(ap
     first = await turn(api, history)
     again = await turn(api, history)  # within the timeout the prefix is reused
     assert cached(again) >= first["usage"]["prompt_tokens"] - 1
-    await asyncio.sleep(1.6)  # the sweep (every 0.25 s here) empties the slot after 1 s idle
+    # The sweep (every 0.25 s here) empties the slot after 1 s idle.
+    assert await wait_until(lambda: kv_tokens(idle_timeout_worker) == 0, timeout=30)
     assert cached(await turn(api, history)) == 0
-    await asyncio.sleep(1.6)
+    assert await wait_until(lambda: kv_tokens(idle_timeout_worker) == 0, timeout=30)
     await swap_out_and_back(api)
     assert (await api.get("/v1/memory/kv-park")).json()["models"] == []
 

@@ -59,7 +59,7 @@ async def test_a_stream_in_flight_shows_the_model_busy_and_streaming(api, worker
         assert busy["is_busy"] is True and busy["is_streaming"] is True
     finally:
         reader.cancel()
-    assert await wait_until(lambda: worker.models[SMOL].admitted == 0, timeout=10)
+    assert await wait_until(lambda: worker.models[SMOL].admitted == 0, timeout=30)
 
 
 async def test_stats_answer_from_the_start_and_count_cached_tokens(api):

@@ -245,7 +245,7 @@ async def test_a_replacement_under_load_fails_no_request_and_unloads_the_old_mod
     stream = await post_json(api, URL, STORY)
     reading, chunks = read_in_background(stream)
     replacing = asyncio.create_task(put_json(api, f"/v1/models/{SMOL}", {"catalog": QWEN}))
-    assert await wait_until(lambda: old.change_done is not None)
+    assert await wait_until(lambda: old.change_done is not None, timeout=30)
     # Arrives while the old model drains: it waits, then the new model serves it.
     waiting = asyncio.create_task(chat(api, SMOL))
     await reading
@@ -279,7 +279,7 @@ async def test_a_delete_during_a_stream_lets_it_finish_then_answers_404(api, poo
     stream = await post_json(api, URL, STORY)
     reading, chunks = read_in_background(stream)
     removing = asyncio.create_task(api.delete(f"/v1/models/{SMOL}?drain_secs=30"))
-    assert await wait_until(lambda: old.change_done is not None)
+    assert await wait_until(lambda: old.change_done is not None, timeout=30)
     waiting = asyncio.create_task(chat(api, "gpt-4o-mini"))  # by alias
     await reading
     assert finished_cleanly(chunks)

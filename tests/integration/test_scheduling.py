@@ -40,7 +40,7 @@ async def test_a_deadline_the_queue_cannot_meet_is_refused_at_once(api, worker, 
         assert bad.status_code == 400
     finally:
         reader.cancel()
-    assert await wait_until(lambda: worker.models[SMOL].admitted == 0, timeout=10)
+    assert await wait_until(lambda: worker.models[SMOL].admitted == 0, timeout=30)
     status = (await api.get("/v1/memory/status")).json()
     smol = next(m for m in status["models"] if m["id"] == SMOL)
     assert smol["service_ms"] > 0 and smol["estimated_wait_ms"] == 0

@@ -90,10 +90,11 @@ async def test_a_cancelled_request_frees_its_slot_at_once(api, three_slots):
     try:
         assert await wait_until(lambda: all(len(c) >= 2 for c in chunks), timeout=60)
         readers[0].cancel()
-        assert await wait_until(lambda: three_slots.models[SMOL].admitted == 2, timeout=3)
+        # A slot held on would free only when its 2000 tokens end (minutes, three streams on this box).
+        assert await wait_until(lambda: three_slots.models[SMOL].admitted == 2, timeout=15)
         quick = await post_json(api, URL, request("Hi", max_tokens=2))
         assert quick.status_code == 200
-        assert quick.json()["hypnos_telemetry"]["engine"]["queue_ms"] < 1000
+        assert quick.json()["hypnos_telemetry"]["engine"]["queue_ms"] < 10_000
     finally:
         for reader in readers:
             reader.cancel()

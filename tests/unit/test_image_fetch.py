@@ -324,7 +324,8 @@ async def test_it_ends_a_trickling_fetch_at_remote_fetch_timeout_secs(private_se
     with pytest.raises(InvalidRequest) as caught:
         await load_image(f"{private_server}/trickle.png", policy(allow_private=True, fetch_timeout_secs=1.0))
     elapsed = time.perf_counter() - started
-    assert 1.0 <= elapsed < 2.5, elapsed
+    # The deadline ends it (1 s, set here), long before the trickle would (TRICKLE_SECS).
+    assert 1.0 <= elapsed < 10, elapsed
     assert caught.value.param == "messages"
     assert caught.value.message == (
         f"Fetching the image URL '{private_server}/trickle.png' took longer than "

@@ -209,6 +209,9 @@ class HardwareConfig(_Strict):
     # out of tier 1, and restore it when the model returns with the same context layout.
     kv_park: bool = False
     kv_park_max_bytes: int = Field(default=4 << 30, ge=0)
+    # A stopping worker writes its parked conversations (and those of its tier-1 models) under
+    # data_dir/kv-park/<worker id>, and the next one started takes them back.
+    kv_park_across_restarts: bool = True
     # Engine threads; unset uses every core.
     n_threads: int | None = Field(default=None, ge=1)
     # At most this many models in tier 1 at once (LRU within priority makes room); unset: the

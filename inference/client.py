@@ -40,7 +40,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from hypnos_site.errors import EngineTimeout, HypnosError, InvalidRequest, ModelNotAvailable, ServerError
-from inference.cluster import ANNOUNCE_SECS, WorkerDirectory, merge_memory_status, merge_status
+from inference.cluster import ANNOUNCE_SECS, WorkerDirectory, merge_kv_park, merge_memory_status, merge_status
 from inference.deadline import within
 from inference.entities import Span
 from inference.transcripts import Transcript
@@ -285,6 +285,7 @@ class InferenceClient:
         ids = [request.request_id, *(new_request_id() for _ in targets[1:])]
         results = await asyncio.gather(*(one(w, i) for w, i in zip(targets, ids, strict=True)), return_exceptions=True)
         answered = [r for r in results if not isinstance(r, BaseException)]
+        answered_by = [w.worker_id for w, r in zip(targets, results, strict=True) if not isinstance(r, BaseException)]
         failed = [r for r in results if isinstance(r, BaseException)]
         for failure in failed:
             # A worker that is gone (its announcement not yet lapsed) leaves the answer to the others.
@@ -294,6 +295,8 @@ class InferenceClient:
             return merge_status(answered)
         if request.op == "memory_status":
             return merge_memory_status(answered)
+        if request.op == "kv_park":
+            return merge_kv_park(answered, answered_by)
         return answered[0]
 
     async def _result(self, call: InferenceCall, op: str) -> Any:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -402,8 +402,26 @@ def merge_memory_status(results: list[dict[str, Any]]) -> dict[str, Any]:
     ]
     evictions.sort(key=lambda e: int(e.get("unix_ms", 0)), reverse=True)
     merged = {**results[0], "models": list(models.values()), "recent_evictions": evictions, "workers": workers}
+    parking = [s for s in results if "kv_park" in s]
+    if parking:
+        merged["kv_park"] = merge_kv_park(
+            [s["kv_park"] for s in parking], [s.get("worker", {}).get("worker_id") for s in parking]
+        )
     for key in _SUMMED:
         values = [s.get(key) for s in results]
         merged[key] = None if all(v is None for v in values) else sum(v or 0 for v in values)
     merged["process_memory_cap_bytes"] = results[0].get("process_memory_cap_bytes")
     return merged
+
+
+def merge_kv_park(results: list[dict[str, Any]], worker_ids: Sequence[str | None]) -> dict[str, Any]:
+    """Several workers' KV parking (GET and POST /v1/memory/kv-park, `kv_park` of the memory
+    status) as one: the caps and bytes summed, each parked model with the worker that holds it."""
+    if len(results) == 1:
+        return results[0]
+    return {
+        "enabled": any(r["enabled"] for r in results),
+        "max_bytes": sum(r["max_bytes"] for r in results),
+        "used_bytes": sum(r["used_bytes"] for r in results),
+        "models": [{**m, "worker": w} for r, w in zip(results, worker_ids, strict=True) for m in r["models"]],
+    }

@@ -82,13 +82,13 @@ class GenerateView(OllamaView):
 class EmbedView(OllamaView):
     async def post(self, request: Request) -> JsonResponse:
         body = parse_body(EmbedRequest, request.data)
-        return await ollama.create_embed(get_client(), body, _context(request))
+        return await ollama.create_embed(get_client(), body, _context(request), admin=is_admin(request.auth))
 
 
 class EmbeddingsView(OllamaView):
     async def post(self, request: Request) -> JsonResponse:
         body = parse_body(EmbeddingsRequest, request.data)
-        return await ollama.create_embeddings(get_client(), body, _context(request))
+        return await ollama.create_embeddings(get_client(), body, _context(request), admin=is_admin(request.auth))
 
 
 class PullView(OllamaView):

@@ -99,13 +99,22 @@ Format = Literal["", "json"] | dict[str, Any]
 KeepAlive = str | int | float
 
 
-class _Generating(_Named):
+class _KeptAlive(_Named):
+    """A request that names how long its model stays loaded after it."""
+
+    keep_alive: KeepAlive | None = None
+
+    def keep_alive_secs(self) -> float | None:
+        """keep_alive in seconds (negative: forever); None when the request sets none."""
+        return None if self.keep_alive is None else duration_secs(self.keep_alive)
+
+
+class _Generating(_KeptAlive):
     """What chat and generate share."""
 
     format: Format | None = None
     options: Options = Options()
     stream: bool = True
-    keep_alive: KeepAlive | None = None
     think: Think | None = None
 
     def json_schema(self) -> dict[str, Any] | None:
@@ -114,10 +123,6 @@ class _Generating(_Named):
         if self.format is None or self.format == "":
             return None
         return {} if self.format == "json" else self.format
-
-    def keep_alive_secs(self) -> float | None:
-        """keep_alive in seconds (negative: forever); None when the request sets none."""
-        return None if self.keep_alive is None else duration_secs(self.keep_alive)
 
 
 class ChatRequest(_Generating):
@@ -135,21 +140,19 @@ class GenerateRequest(_Generating):
     images: list[str] | None = None
 
 
-class EmbedRequest(_Named):
+class EmbedRequest(_KeptAlive):
     input: str | list[str]
     truncate: bool = True
     options: Options = Options()
-    keep_alive: KeepAlive | None = None
     dimensions: int | None = Field(default=None, ge=1)
 
     def texts(self) -> list[str]:
         return input_texts(self.input)
 
 
-class EmbeddingsRequest(_Named):
+class EmbeddingsRequest(_KeptAlive):
     prompt: str = Field(min_length=1)
     options: Options = Options()
-    keep_alive: KeepAlive | None = None
 
 
 class ShowRequest(_Named):

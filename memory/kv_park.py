@@ -4,15 +4,34 @@ of tier 1, restored when it comes back with the same context layout.
 A parked state holds every used execution slot of the model (one KV sequence each). With
 `server.kv_idle_timeout_secs` a slot whose conversation has been idle that long is dropped, here
 as in the loaded engine: its next turn prefills from the start, as it would after a reuse.
+
+A worker that stops (SIGTERM) writes what it has parked to a folder of its own (`save`), one file
+per model, and the worker started next takes it back (`load`): a restart or a rolling deploy
+keeps the conversations. A file is written whole or not at all (a temporary file renamed), and
+one that does not read back (another version, cut short) is dropped with a warning; the layout
+check at `take` still decides whether a state fits the model as it is loaded then.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
+# A parked-state file: MAGIC, the header's length (8 bytes, big-endian), the JSON header, then
+# each slot's data in the header's order.
+MAGIC = b"HYPNOS-KV-PARK 1\n"
+SUFFIX = ".kvpark"
 
 
 @dataclass(frozen=True)
@@ -101,6 +120,69 @@ class KvParking:
         with self._lock:
             self._states.pop(model, None)
 
+    def save(self, folder: Path) -> int:
+        """Write every parked state to `folder` (a stopping worker), replacing what was there;
+        the number of models written. Ages are kept as the wall clock sees them, so the idle
+        timeout counts across the restart."""
+        with self._lock:
+            self._expire()
+            states = list(self._states.items())
+        folder.mkdir(parents=True, exist_ok=True)
+        for old in folder.glob(f"*{SUFFIX}"):
+            old.unlink(missing_ok=True)
+        now, wall = self.clock(), time.time()
+        for model, state in states:
+            header = {
+                "model": model,
+                "layout": list(state.layout),
+                "parked_unix": wall - (now - state.parked_at),
+                "slots": [
+                    {"seq": s.seq, "tokens": list(s.tokens), "bytes": s.size, "used_unix": wall - (now - s.used_at)}
+                    for s in state.slots
+                ],
+            }
+            _write_whole(folder / _file_name(model), _encode(header, state.slots))
+        return len(states)
+
+    def load(self, folder: Path) -> int:
+        """Take back what `save` wrote to `folder` (a starting worker) and delete the files; the
+        number of models taken back. Nothing is taken while parking is off."""
+        files = sorted(folder.glob(f"*{SUFFIX}")) if folder.is_dir() else []
+        taken = 0
+        for path in files:
+            try:
+                if self.enabled:
+                    model, state = self._decode(path.read_bytes())
+                    taken += self.park(model, state)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("dropping the parked KV state %s: %s", path, exc)
+            finally:
+                path.unlink(missing_ok=True)
+        return taken
+
+    def _decode(self, raw: bytes) -> tuple[str, ParkedState]:
+        if not raw.startswith(MAGIC):
+            raise ValueError("not a parked-state file of this version")
+        at = len(MAGIC)
+        (length,) = struct.unpack(">Q", raw[at : at + 8])
+        at += 8
+        header = json.loads(raw[at : at + length])
+        at += length
+        now, wall = self.clock(), time.time()
+        slots = []
+        for slot in header["slots"]:
+            size = int(slot["bytes"])
+            data = raw[at : at + size]
+            if len(data) != size:
+                raise ValueError("the file is cut short")
+            at += size
+            used_at = now - max(0.0, wall - float(slot["used_unix"]))
+            slots.append(ParkedSlot(int(slot["seq"]), tuple(int(t) for t in slot["tokens"]), data, used_at))
+        if at != len(raw):
+            raise ValueError("the file has bytes past its last slot")
+        parked_at = now - max(0.0, wall - float(header["parked_unix"]))
+        return str(header["model"]), ParkedState(tuple(header["layout"]), tuple(slots), parked_at)
+
     def _fresh(self, state: ParkedState) -> ParkedState:
         if self.idle_timeout_secs is None:
             return state
@@ -139,3 +221,25 @@ class KvParking:
                     for model, s in self._states.items()
                 ],
             }
+
+
+def _file_name(model: str) -> str:
+    """A file name for any model id (ids may hold '/' or ':'); the id itself is in the header."""
+    return hashlib.sha256(model.encode()).hexdigest()[:24] + SUFFIX
+
+
+def _encode(header: dict[str, Any], slots: tuple[ParkedSlot, ...]) -> list[bytes]:
+    encoded = json.dumps(header).encode()
+    return [MAGIC, struct.pack(">Q", len(encoded)), encoded, *(s.data for s in slots)]
+
+
+def _write_whole(path: Path, parts: list[bytes]) -> None:
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".kvpark-")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                out.write(part)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

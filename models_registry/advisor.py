@@ -84,6 +84,9 @@ MIXED_QUANT_BITS = {
     "Q5_K_S": 5.54,
     "Q5_K_M": 5.7,
 }
+# A llama.cpp chat model's execution slots, as llama-server's default: concurrent clients share
+# decode steps, and the KV cache is one unified context, so slots add no memory.
+CHAT_SLOTS = 4
 PLAIN_QUANT_BITS = {"fp32": 32, "float32": 32, "fp16": 16, "float16": 16, "bf16": 16, "int8": 8, "int4": 4}
 
 
@@ -317,6 +320,15 @@ def plan_lineup(assignment: dict[str, Candidate], budgets: Budgets, hardware: Ha
     return Plan(tuple(planned), assignment)
 
 
+def slots(candidate: Candidate) -> int:
+    """CHAT_SLOTS for a llama.cpp text model; 1 for the rest (a projector serves images on one
+    slot, ModelConfig's rule)."""
+    entry, variant = candidate.entry, candidate.variant
+    has_projector = any(f.role == "aux" for f in variant.files)
+    text_chat = entry.engine == "ggml_llama" and entry.modality == "text_generation" and not has_projector
+    return CHAT_SLOTS if text_chat else 1
+
+
 def _moe_mode(fp: Footprint, budgets: Budgets) -> str:
     # Expert offload helps on a discrete GPU only: on unified memory the experts stay in the same RAM.
     return "auto" if fp.expert_bytes and budgets.gpu and not budgets.unified_memory else "off"
@@ -417,7 +429,7 @@ class Advice:
             "num_layers": c.footprint.n_layers,
             "cpu_expert_layers": placement.cpu_expert_layers if placement else 0,
             "context_len": model.context_len,
-            "slots": 1,
+            "slots": slots(c),
             "initial_tier": str(model.initial_tier),
             "priority": model.priority,
             "keep_warm_in_ram": c.footprint.weights_bytes <= self.budgets.tier2_bytes,
@@ -543,7 +555,7 @@ def render_config(advice: Advice) -> str:
     for model in advice.plan.models:
         settings: dict[str, object] = {
             "context_len": model.context_len,
-            "slots": 1,
+            "slots": slots(model.candidate),
             "initial_tier": str(model.initial_tier),
             "priority": model.priority,
         }

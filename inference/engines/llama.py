@@ -176,7 +176,8 @@ class LlamaEngine(Engine):
     def kv_layout(self) -> tuple[Any, ...] | None:
         if self._llm is None:
             return None
-        return (self.context_len, self.model.slots, str(self.weights), self.weights.stat().st_size)
+        weights = self.weights.stat()
+        return (self.context_len, self.model.slots, str(self.weights), weights.st_size, weights.st_mtime_ns)
 
     def park(self) -> ParkedState | None:
         llm = self._llm

@@ -94,7 +94,8 @@ async def list_models(client: InferenceClient) -> dict[str, Any]:
 
 
 async def get_model(client: InferenceClient, name: str) -> dict[str, Any]:
-    """One model, with Lemonade's recipe_options (its saved options, under both names)."""
+    """One model, with Lemonade's recipe_options: its saved options under both names, and the
+    context it loads with as ctx_size even when none is saved."""
     from models_registry.options import lemonade_view
     from models_registry.overlay import saved_options
 
@@ -105,7 +106,11 @@ async def get_model(client: InferenceClient, name: str) -> dict[str, Any]:
         saved = await sync_to_async(saved_options)(model.id)
     except DatabaseError:  # the model is still described; only its saved options are unknown
         saved = {}
-    return {**_model_object(model, state), "enabled": _enabled(model, state), "recipe_options": lemonade_view(saved)}
+    return {
+        **_model_object(model, state),
+        "enabled": _enabled(model, state),
+        "recipe_options": {"ctx_size": model.context_len, **lemonade_view(saved)},
+    }
 
 
 async def model_files(client: InferenceClient, name: str, *, admin: bool) -> dict[str, Any]:

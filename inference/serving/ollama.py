@@ -471,11 +471,22 @@ def embedded_tokens(done: Done) -> int:
     return done.result.prompt_tokens if isinstance(done.result, Embedded) else 0
 
 
-async def create_embed(client: InferenceClient, body: EmbedRequest, ctx: RequestContext) -> JsonResponse:
+async def _embedded(
+    client: InferenceClient, body: EmbedRequest | EmbeddingsRequest, texts: list[str], ctx: RequestContext, admin: bool
+) -> Drained:
+    """The vectors of an embed route, its keep_alive applied once they are there."""
+    model = await resolve(client, body.model, ctx, ("embeddings",), "embeddings")
+    after = keep_alive_after(client, model, keep_alive_of(body.keep_alive_secs(), admin))
+    drained = await _vectors(client, model, texts, ctx)
+    if after is not None:
+        await after()
+    return drained
+
+
+async def create_embed(client: InferenceClient, body: EmbedRequest, ctx: RequestContext, admin: bool) -> JsonResponse:
     """POST /api/embed: one vector per input, the vectors of /v1/embeddings."""
     started = time.perf_counter()
-    model = await resolve(client, body.model, ctx, ("embeddings",), "embeddings")
-    drained = await _vectors(client, model, body.texts(), ctx)
+    drained = await _embedded(client, body, body.texts(), ctx, admin)
     done = drained.done
     return JsonResponse(
         {
@@ -489,8 +500,9 @@ async def create_embed(client: InferenceClient, body: EmbedRequest, ctx: Request
     )
 
 
-async def create_embeddings(client: InferenceClient, body: EmbeddingsRequest, ctx: RequestContext) -> JsonResponse:
+async def create_embeddings(
+    client: InferenceClient, body: EmbeddingsRequest, ctx: RequestContext, admin: bool
+) -> JsonResponse:
     """POST /api/embeddings, the older route: one prompt, one `embedding`."""
-    model = await resolve(client, body.model, ctx, ("embeddings",), "embeddings")
-    drained = await _vectors(client, model, [body.prompt], ctx)
+    drained = await _embedded(client, body, [body.prompt], ctx, admin)
     return JsonResponse({"embedding": floats(drained.vectors[0])})

@@ -96,8 +96,11 @@ def digest(item: PlannedFile) -> str:
 
 
 def progress(item: PlannedFile, completed: int, total: int | None) -> dict[str, Any]:
+    """One file's progress as Ollama words a layer's: "pulling" and the digest's first 12 hex
+    digits (the file's name when the catalog lists no checksum)."""
     shown = digest(item)
-    return {"status": f"downloading {shown}", "digest": shown, "total": total or completed, "completed": completed}
+    short = shown.removeprefix("sha256:")[:12] if shown.startswith("sha256:") else shown
+    return {"status": f"pulling {short}", "digest": shown, "total": total or completed, "completed": completed}
 
 
 class _Download:

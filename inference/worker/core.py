@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from hypnos_site.config import HypnosConfig
@@ -191,15 +192,36 @@ class Worker:
         for cancel in list(self._cancels.values()):
             cancel.set()
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._keeps_parked_states:
+            self.moves.park_resident()
+            try:
+                saved = self.kv_parking.save(self.parked_states_dir)
+                log.info("parked the KV state of %d model(s) in %s", saved, self.parked_states_dir)
+            except OSError as exc:
+                log.error("could not keep the parked KV states in %s: %s", self.parked_states_dir, exc)
         # cool, not unload: the warm copies (memfds) go too, so a worker that is shut down while
         # its process goes on (the tests, a runtime.serving swap) leaves no tier-2 memory behind.
         for runtime in self.models.values():
             if runtime.engine is not None:
                 runtime.engine.cool()
 
+    @property
+    def parked_states_dir(self) -> Path:
+        """Where a stopping worker keeps its parked KV states for the next one."""
+        return self.config.data_dir / "kv-park" / self.worker_id
+
+    @property
+    def _keeps_parked_states(self) -> bool:
+        return self.kv_parking.enabled and self.config.hardware.kv_park_across_restarts
+
     def _stage(self) -> None:
-        """Bring each enabled model to its `initial_tier` (spec §3), tier 1 first."""
+        """Bring each enabled model to its `initial_tier` (spec §3), tier 1 first, after taking
+        back the KV states the previous worker parked (a model staged in tier 1 restores them)."""
         try:
+            if self._keeps_parked_states:
+                taken = self.kv_parking.load(self.parked_states_dir)
+                if taken:
+                    log.info("took back the parked KV state of %d model(s)", taken)
             for runtime in self.models.values():
                 try:
                     with self.moves.placement_lock:

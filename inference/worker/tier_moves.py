@@ -253,6 +253,20 @@ class TierMoves:
             engine.unload()
         self.tiers.demote(model_id, to_tier)
 
+    def park_resident(self) -> None:
+        """A stopping worker: park the conversations of the models still in tier 1 (those that
+        left it were parked then), once no request is inside their engines."""
+        if not self.kv_parking.enabled:
+            return
+        for model_id, runtime in self.table.models.items():
+            engine = runtime.engine
+            if engine is None or not engine.loaded or self.tiers.tier(model_id) != MemoryTier.TIER1:
+                continue
+            runtime.wait_engine_idle()
+            state = engine.park()
+            if state is not None:
+                self.kv_parking.park(model_id, state)
+
     def _plan(self, model_id: str, context_len: int) -> tuple[Placement, list[Eviction]]:
         try:
             promotion = self.tiers.plan_promotion(model_id, context_len)

@@ -188,6 +188,14 @@ def test_pull_draws_its_progress_and_the_model_joins_the_pool(server):
     assert unknown.returncode == 1 and "not found" in unknown.stderr and "/v1/models/catalog" in unknown.stderr
 
 
+def test_run_sh_passes_a_verb_to_the_same_command(server):
+    """`./run.sh ps` as the README shows it, the URL and key from the environment."""
+    venv = Path(sys.executable).parent.parent
+    env = ENV | {"HYPNOS_URL": server.base_url, "HYPNOS_API_KEY": ADMIN, "HYPNOS_VENV": str(venv)}
+    done = subprocess.run([str(BASE_DIR / "run.sh"), "ps"], capture_output=True, text=True, env=env, timeout=300)
+    assert row(ok(done), SMOL)[1] == "1 vram"
+
+
 def test_status_reports_the_server_ready_with_its_tiers(server):
     status = ok(hypnos(server, "status"))
     assert "ready    yes" in status and "tier 1" in status and "in tier 1" in status
@@ -195,7 +203,8 @@ def test_status_reports_the_server_ready_with_its_tiers(server):
 
 def test_with_no_server_every_verb_says_so_and_exits_1():
     url = f"http://127.0.0.1:{free_port()}"
-    for verb in (["ps"], ["run", SMOL, "hi"], ["keys", "list"]):
+    verbs = (["list"], ["ps"], ["pull", PULLED], ["load", SMOL], ["unload", SMOL], ["run", SMOL, "hi"])
+    for verb in (*verbs, ["keys", "list"], ["keys", "create", "k"], ["logs"], ["status"]):
         done = hypnos(url, *verb)
         assert done.returncode == 1 and done.stdout == ""
         assert done.stderr == f"hypnos: no Hypnos server answers at {url} — start one with ./run.sh\n"

@@ -30,7 +30,9 @@ async def test_every_request_logs_one_line_with_what_it_cost(api, caplog):
     assert (line.prompt_tokens, line.completion_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
     assert line.client_request_id == "job-42/step-1" and line.duration_ms > 0
     assert line.getMessage().startswith("POST /v1/chat/completions request_id=req-")
-    await api.get("/v1/models")
+    # A tracing proxy's X-Request-Id is kept as the client's id; the server's own id stays its own.
+    traced = await api.get("/v1/models", headers={"x-request-id": "trace-7f3a"})
+    assert traced["x-client-request-id"] == "trace-7f3a" and traced["x-request-id"].startswith("req-")
     assert any(r.path == "/v1/models" and r.status == 200 for r in caplog.records if r.name == "hypnos.access")
 
 

@@ -4,6 +4,8 @@ restored when it returns, so the next turn evaluates only its new tokens."""
 from __future__ import annotations
 
 import asyncio
+import socket
+from typing import Any
 
 import llama_cpp
 import pytest
@@ -163,3 +165,51 @@ async def test_every_used_slot_is_parked_and_restored_to_its_sequence(api, two_s
     for first, second in zip(firsts, seconds, strict=True):
         # Each conversation found its whole previous prompt in the slot it was restored to.
         assert cached(second) >= first["usage"]["prompt_tokens"]
+
+
+def restarting_config(settings, data_dir) -> Any:
+    config = parking_config(settings)
+    return config.model_copy(
+        update={
+            "hardware": config.hardware.model_copy(update={"kv_park_across_restarts": True}),
+            # Its own data folder (where the parked states go), the suite's models all the same.
+            "server": config.server.model_copy(
+                update={"data_dir": str(data_dir), "models_dir": str(config.models_dir)}
+            ),
+        }
+    )
+
+
+async def test_a_conversation_survives_a_worker_restart(api, settings, serve, tmp_path, evaluated):
+    """A stopping worker writes its tier-1 model's conversation to disk; the worker started next
+    takes it back as it stages the model, so the next turn prefills only its new tokens."""
+    config = restarting_config(settings, tmp_path)
+    first_worker = serve(config)
+    history = [SYSTEM, {"role": "user", "content": "Name a color."}]
+    first = await turn(api, history)
+    history += [first["choices"][0]["message"], {"role": "user", "content": "Name another one."}]
+    await asyncio.to_thread(first_worker.shutdown)
+    [saved] = list(first_worker.parked_states_dir.glob("*.kvpark"))
+    assert saved.stat().st_size > 0
+
+    serve(config)  # routes the views to the new worker; staging restores the conversation
+    assert not saved.exists()  # taken: a third worker does not restore it again
+    assert (await api.get("/v1/memory/kv-park")).json()["models"] == []
+    evaluated.clear()
+    second = await turn(api, history)
+    assert cached(second) >= first["usage"]["prompt_tokens"]
+    assert evaluated[0] < 40 < second["usage"]["prompt_tokens"]
+
+
+async def test_a_damaged_parked_state_is_dropped_and_the_worker_serves(api, settings, serve, tmp_path, caplog):
+    config = restarting_config(settings, tmp_path)
+    folder = tmp_path / "kv-park" / (config.server.worker_id or socket.gethostname())
+    folder.mkdir(parents=True)
+    (folder / "cut.kvpark").write_bytes(b'HYPNOS-KV-PARK 1\n\x00\x00\x00\x00\x00\x00\x00\x40{"model"')
+    (folder / "other.kvpark").write_bytes(b"not a parked state")
+    worker = serve(config)
+    assert worker.parked_states_dir == folder
+    assert list(folder.iterdir()) == []
+    assert "dropping the parked KV state" in caplog.text
+    answer = await turn(api, [SYSTEM, {"role": "user", "content": "Name a color."}])
+    assert cached(answer) == 0 and answer["choices"][0]["message"]["content"]

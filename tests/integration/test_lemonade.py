@@ -79,6 +79,9 @@ async def test_ctx_size_is_context_len_and_the_options_say_the_resolved_size(api
     url = f"/v1/models/{SMOL}/options"
     layers = (await api.get(url)).json()
     assert layers["resolved_ctx_size"] == layers["effective"]["context_len"]
+    # Nothing saved yet: the model's page still says the context it loads with.
+    described = (await api.get(f"/api/v1/models/{SMOL}")).json()
+    assert described["recipe_options"] == {"ctx_size": layers["effective"]["context_len"]}
     dry = (await post_json(api, url, {"ctx_size": 3072, "dry_run": True})).json()
     assert dry["saved"] == {"context_len": 3072} and dry["resolved_ctx_size"] == 3072
     auto = (await post_json(api, url, {"ctx_size": -1, "dry_run": True})).json()

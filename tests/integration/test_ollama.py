@@ -592,9 +592,7 @@ async def test_a_pull_streams_ollamas_progress_and_the_model_joins_the_pool(api,
     assert lines[0] == {"status": "pulling manifest"}
     assert lines[-3:] == [{"status": "verifying sha256 digest"}, {"status": "writing manifest"}, {"status": "success"}]
     progress = lines[1:-3]
-    assert progress and all(
-        p["status"] == f"downloading sha256:{sha}" and p["digest"] == f"sha256:{sha}" for p in progress
-    )
+    assert progress and all(p["status"] == f"pulling {sha[:12]}" and p["digest"] == f"sha256:{sha}" for p in progress)
     assert all(p["total"] == len(data) for p in progress)
     completed = [p["completed"] for p in progress]
     assert completed == sorted(completed) and completed[-1] == len(data)
@@ -719,3 +717,24 @@ async def test_a_requests_keep_alive_sets_when_its_model_leaves_tier_1(api):
     assert [
         m["expires_at"][:4] for m in (await api.get("/api/ps")).json()["models"] if m["model"] == f"{SMOL}:latest"
     ] == ["2319"]
+
+
+async def test_the_embed_routes_honour_keep_alive(api):
+    """/api/embed and /api/embeddings set their model's idle unload time as chat does (issue 34
+    item 7: they ignored it, and /api/ps kept expires_at empty)."""
+
+    async def expires() -> str | None:
+        rows = (await api.get("/api/ps")).json()["models"]
+        return next(m["expires_at"] for m in rows if m["model"] == f"{EMBED}:latest")
+
+    before = time.time()
+    embedded = await post_json(api, "/api/embed", {"model": EMBED, "input": ["hello"], "keep_alive": "1h"})
+    assert embedded.status_code == 200 and len(embedded.json()["embeddings"]) == 1
+    after = time.time()
+    at = await expires()
+    assert at is not None
+    stamp = datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp()
+    assert before + 3600 - 1 < stamp <= after + 3600
+    older = await post_json(api, "/api/embeddings", {"model": EMBED, "prompt": "hello", "keep_alive": -1})
+    assert older.status_code == 200 and len(older.json()["embedding"]) == 384
+    assert (await expires() or "")[:4] == "2319"  # forever, as /api/ps shows it for chat

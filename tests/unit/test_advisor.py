@@ -69,6 +69,9 @@ def test_a_24_gib_gpu_gets_the_largest_gpu_chat_model_with_whisper_and_kokoro(no
     config = config_of(advice)
     chat_ = next(m for m in config.models if m.id == "qwen3-32b")
     assert chat_.speech_to_text_model == "whisper-large-v3-turbo" and chat_.priority == "high"
+    # A text chat model batches concurrent clients as llama-server's default does; the rest run one slot.
+    assert chat_.slots == models["qwen3-32b"]["slots"] == 4
+    assert {m.slots for m in config.models if m.id != "qwen3-32b"} == {1}
     assert (
         next(m for m in config.models if m.id == "whisper-large-v3-turbo").weights_path
         == "faster-whisper-large-v3-turbo"
@@ -99,6 +102,7 @@ def test_a_24_gib_gpu_serves_every_need_from_the_gpu_lineup(no_files):
     config = config_of(advice)
     gemma = next(m for m in config.models if m.id == "gemma3-27b")
     assert gemma.aux_path == "mmproj-gemma-3-27b-it-f16.gguf" and gemma.modalities[:2] == ["vision", "text_generation"]
+    assert gemma.slots == 1  # a projector serves images on one slot (ModelConfig's rule)
     flux = next(m for m in config.models if m.id == "flux2-klein-4b")
     assert (
         flux.image is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from inference.cluster import candidates, choose, merge_memory_status, merge_status
+from inference.cluster import candidates, choose, merge_kv_park, merge_memory_status, merge_status
 from inference.wire import ModelPlace, WorkerAnnouncement
 
 GIB = 1 << 30
@@ -145,6 +145,20 @@ def test_one_worker_keeps_its_figures_and_says_where():
     assert merged["tier1_vram_used_bytes"] == GIB
     assert merged["models"][0]["worker"] == "a"
     assert merged["workers"][0]["worker_id"] == "a"
+
+
+def parking(enabled: bool, used: int, *models: str) -> dict[str, Any]:
+    return {"enabled": enabled, "max_bytes": GIB, "used_bytes": used, "models": [{"model": m} for m in models]}
+
+
+def test_the_kv_parking_of_several_workers_is_summed_and_says_who_holds_each_model():
+    merged = merge_kv_park([parking(True, 5, "m"), parking(False, 0)], ["a", "b"])
+    assert merged == {"enabled": True, "max_bytes": 2 * GIB, "used_bytes": 5, "models": [{"model": "m", "worker": "a"}]}
+    # In the memory status: only the workers that report parking count.
+    with_park = {**memory("a", GIB), "kv_park": parking(True, 7, "n")}
+    status = merge_memory_status([memory("b", GIB), with_park])
+    assert status["kv_park"] == parking(True, 7, "n")
+    assert "kv_park" not in merge_memory_status([memory("a", GIB), memory("b", GIB)])
 
 
 def test_the_status_of_several_workers_names_where_each_model_is():

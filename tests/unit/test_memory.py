@@ -393,6 +393,44 @@ def test_without_an_idle_timeout_a_parked_state_is_kept_until_taken():
     assert parking.take("m", ("ctx",)) is None
 
 
+def test_parked_states_written_by_a_stopping_worker_are_taken_back_by_the_next(tmp_path):
+    clock = Clock()
+    before = KvParking(True, 10_000, idle_timeout_secs=60, clock=clock)
+    before.park("org/model:q4", parked(clock, 10, 50))
+    before.park("other", ParkedState(("ctx", 2), (ParkedSlot(3, (9,), b"\x00\xff" * 8, clock.now),), clock.now))
+    assert before.save(tmp_path) == 2 and len(list(tmp_path.iterdir())) == 2
+
+    # Another process, another monotonic clock: the ages come across by the wall clock.
+    later = Clock()
+    later.now = 5.0
+    after = KvParking(True, 10_000, idle_timeout_secs=60, clock=later)
+    assert after.load(tmp_path) == 2 and list(tmp_path.iterdir()) == []
+    rows = {r["model"]: r for r in after.status()["models"]}
+    assert (rows["org/model:q4"]["slots"], rows["org/model:q4"]["bytes"]) == (2, 200)
+    later.now += 20  # the slot served 50 s before the stop is now 70 s idle
+    state = after.take("org/model:q4", ("ctx",))
+    assert state is not None and [(s.seq, s.tokens) for s in state.slots] == [(0, (1, 2, 3))]
+    [slot] = after.take("other", ("ctx", 2)).slots  # type: ignore[union-attr]
+    assert (slot.seq, slot.tokens, slot.data) == (3, (9,), b"\x00\xff" * 8)
+
+
+def test_parked_states_that_do_not_read_back_are_dropped(tmp_path):
+    clock = Clock()
+    before = KvParking(True, 10_000, clock=clock)
+    before.park("m", parked(clock, 0))
+    before.save(tmp_path)
+    [path] = tmp_path.iterdir()
+    path.write_bytes(path.read_bytes()[:-1])  # cut short
+    (tmp_path / "junk.kvpark").write_bytes(b"\x00" * 40)
+    after = KvParking(True, 10_000, clock=clock)
+    assert after.load(tmp_path) == 0 and list(tmp_path.iterdir()) == []
+    assert after.status()["models"] == []
+    # Parking off: nothing is taken, the files go all the same; a missing folder is no error.
+    before.save(tmp_path)
+    assert KvParking(False, 10_000).load(tmp_path) == 0 and list(tmp_path.iterdir()) == []
+    assert KvParking(True, 10_000).load(tmp_path / "absent") == 0
+
+
 def test_idle_unload_is_due_after_the_keep_alive_counted_from_the_last_use():
     clock = Clock()
     tm = manager(clock=clock)

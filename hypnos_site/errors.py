@@ -71,12 +71,9 @@ class UnsupportedMediaType(InvalidRequest):
     code = "unsupported_media_type"
 
 
-class PayloadTooLarge(InvalidRequest):
-    """An upload above the route's own limit (limits.max_document_bytes): the JSON envelope,
-    unlike the plain-text 413 of the body-limit layer (spec §4)."""
-
-    status = 413
-    type = "payload_too_large"
+# The code of a 400 for an upload above a route's own limit (limits.max_image_bytes,
+# max_document_bytes; spec §1: 400, unlike the 413 of max_body_bytes at the body-limit layer).
+TOO_LARGE = "payload_too_large"
 
 
 class AuthenticationError(HypnosError):

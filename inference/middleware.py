@@ -23,8 +23,9 @@ from rest_framework.utils.mediatypes import media_type_matches
 
 from hypnos_site.errors import InvalidRequest, PermissionDenied, UnsupportedMediaType, refusal
 from inference import latency
-from inference.parsers import multipart_problem
+from inference.parsers import multipart_problem, reads_json
 from inference.views import UnknownRouteView
+from logs.middleware import UNMATCHED_ROUTE, route_label
 
 
 def new_request_id() -> str:
@@ -77,10 +78,8 @@ class RequestIdMiddleware(_Middleware):
         client_id = client_request_id(request)
         if client_id:
             response["x-client-request-id"] = client_id
-        match = getattr(request, "resolver_match", None)
-        route = None
-        if match is not None and match.route and "^" not in match.route:
-            route = "/" + match.route.removeprefix("api/")
+        label = route_label(request)
+        route = None if label == UNMATCHED_ROUTE else label
         if isinstance(response, StreamingHttpResponse) and response.is_async:
             # is_async: the content is the async iterator Django gave it.
             content = cast(AsyncIterator[bytes], response.streaming_content)
@@ -184,11 +183,12 @@ class BrowserGuardMiddleware(_Middleware):
       its own name and would otherwise be same-origin with the API;
     - a state-changing call whose Origin header is present must come from an allowed origin,
       else 403 permission_denied: a cross-site form or fetch() needs no preflight;
-    - a state-changing call to a DRF route must send a media type one of its parsers reads
-      (JSON, or multipart where the route takes it), else 415: text/plain and
-      x-www-form-urlencoded are the content types a page may send without a preflight.
+    - a state-changing call to a DRF route that reads no JSON (multipart only) must send a
+      media type one of its parsers reads, else 415. A route that reads JSON reads a body of
+      any other label as JSON (`_label_json`; what does not parse is a 400): a page's
+      cross-site text/plain or url-encoded post carries an Origin, refused above.
 
-    Clients that are not browsers send no Origin header and a JSON body: nothing changes for them.
+    Clients that are not browsers send no Origin header: nothing changes for them.
 
     Each refusal is in the route's own shape (Ollama's, Anthropic's: hypnos_site.errors.refusal).
     """
@@ -239,6 +239,10 @@ def _media_type_refusal(request: HttpRequest) -> HttpResponseBase | None:
     accepted = [parser.media_type for parser in parsers]
     if media_type and any(media_type_matches(accepted_type, media_type) for accepted_type in accepted):
         return _multipart_refusal(request)
+    if reads_json(parsers):
+        if _has_body(request):
+            _label_json(request)
+        return None
     # A body the route cannot read, or a preflight-free type even without a body.
     if not _has_body(request) and not (request.content_type or "").lower().startswith(SIMPLE_MEDIA_TYPES):
         return None
@@ -249,6 +253,15 @@ def _media_type_refusal(request: HttpRequest) -> HttpResponseBase | None:
             param="Content-Type",
         ),
     )
+
+
+def _label_json(request: HttpRequest) -> None:
+    """Take a body a JSON route got under another label (none, curl's url-encoded default,
+    text/plain, multipart on a route that reads no multipart) for JSON, as Ollama does: the
+    request log and DRF then read it as the JSON it is, and what does not parse is a 400. Never
+    as a form: reading one would use up the body before the view."""
+    request.META["CONTENT_TYPE"] = "application/json"
+    request.content_type, request.content_params = "application/json", {}
 
 
 def _multipart_refusal(request: HttpRequest) -> HttpResponseBase | None:

@@ -1,6 +1,13 @@
 """Body parsers of the /v1 routes (DRF parser classes): JSON with a nesting limit, and multipart
 whose failures say what was wrong. Both raise ParseError, which errors.exception_handler renders
-as a 400 invalid_request_error in the spec's envelope."""
+as a 400 invalid_request_error in the spec's envelope.
+
+A route that reads JSON reads it whatever the body's label: no Content-Type (litellm's Ollama
+providers), or curl's default `-d` label application/x-www-form-urlencoded (Ollama's own
+quick-start), as Ollama does; middleware.BrowserGuardMiddleware labels such a body JSON before
+anything reads it, and what does not parse is the JSON parser's 400. A web page cannot use that
+to post cross-site: its request carries an Origin header, which the same middleware refuses
+unless the origin is allowed."""
 
 from __future__ import annotations
 
@@ -94,3 +101,8 @@ def multipart_problem(exc: Exception) -> str:
 
 def _reason(exc: ParseError) -> str:
     return str(exc.detail).removeprefix("Multipart form parse error - ")
+
+
+def reads_json(parser_classes: list[type[parsers.BaseParser]]) -> bool:
+    """Whether a route with these parsers takes a JSON body (then of any label)."""
+    return any(issubclass(parser, parsers.JSONParser) for parser in parser_classes)

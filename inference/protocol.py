@@ -353,6 +353,24 @@ def lone_surrogate_at(data: Any, path: tuple[str, ...] = ()) -> tuple[str, ...] 
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
+# The names pydantic gives the members of a union in an error's location: `input: str | list[str]`
+# given 5 fails at ("input", "str") and ("input", "list[str]"); the client's field is `input`.
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "none", "any"})
+
+
+def _union_tag(part: str | int) -> bool:
+    """Whether a part of a pydantic error location names a union member or a validator, not a
+    field of the body (field names are snake_case; a member is a type or a model class)."""
+    if isinstance(part, int):
+        return False
+    return (
+        part.startswith(("function-", "tagged-union["))
+        or "[" in part
+        or part.lower() in _TYPE_NAMES
+        or part[:1].isupper()
+    )
+
+
 def parse_body(model: type[M], data: Any) -> M:
     """Validate a request body; the first problem becomes a 400 naming the field."""
     if not isinstance(data, dict):
@@ -369,6 +387,5 @@ def parse_body(model: type[M], data: Any) -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = [str(p) for p in err["loc"] if not str(p).startswith(("function-", "tagged-union["))]
-        param = ".".join(loc) or None
+        param = ".".join(str(p) for p in err["loc"] if not _union_tag(p)) or None
         raise InvalidRequest(f"Invalid value for {param or 'the body'}: {err['msg']}", param=param) from exc

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 from asgiref.sync import markcoroutinefunction
 from django.conf import settings
@@ -85,7 +85,7 @@ class InferenceAccountingMiddleware:
         if isinstance(response, StreamingHttpResponse):
             if response.is_async:
                 keep_text = response.get("Content-Type", "").startswith("text/")
-                response.streaming_content = call.watch(response.streaming_content, response.status_code, keep_text)
+                response.streaming_content = call.watch(_async_content(response), response.status_code, keep_text)
                 return response
         else:
             call.read_body(response)
@@ -387,11 +387,24 @@ def _http_observations(route: str, status: int, duration_ms: float) -> list[Obse
     ]
 
 
-def _route_label(request: HttpRequest) -> str:
+# What the label of every path the URL table does not name is (its catch-all routes, the
+# only ones written as regular expressions, and a path nothing resolves).
+UNMATCHED_ROUTE = "unmatched"
+
+
+def _async_content(response: StreamingHttpResponse) -> AsyncIterator[bytes]:
+    """The body of a response whose `is_async` is true: the async iterator Django gave it."""
+    return cast(AsyncIterator[bytes], response.streaming_content)
+
+
+def route_label(request: HttpRequest) -> str:
+    """The route a request matched, as the URL table names it (`/v1/models/<path:model_id>`,
+    Ollama's `/api/tags`, Lemonade's `/api/v1/load`), or UNMATCHED_ROUTE: the label of the
+    route families, so an unknown path adds no label of its own."""
     match = getattr(request, "resolver_match", None)
-    if match is not None and match.route and "^" not in match.route:
-        return "/" + match.route.removeprefix("api/")
-    return "unmatched"
+    if match is None or not match.route or any(c in match.route for c in "^$*"):
+        return UNMATCHED_ROUTE
+    return "/" + match.route
 
 
 async def _count_http(request: HttpRequest, response: HttpResponseBase) -> HttpResponseBase:
@@ -399,10 +412,10 @@ async def _count_http(request: HttpRequest, response: HttpResponseBase) -> HttpR
 
     async def record() -> None:
         elapsed = (time.perf_counter() - started) * 1000
-        count_later(_http_observations(_route_label(request), response.status_code, elapsed), request.path)
+        count_later(_http_observations(route_label(request), response.status_code, elapsed), request.path)
 
     if isinstance(response, StreamingHttpResponse) and response.is_async:
-        response.streaming_content = _counted_stream(response.streaming_content, record)
+        response.streaming_content = _counted_stream(_async_content(response), record)
     else:
         await record()
     return response

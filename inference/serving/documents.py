@@ -23,7 +23,7 @@ from urllib.parse import unquote, urlsplit
 from django.conf import settings
 from django.http import HttpResponseBase, JsonResponse
 
-from hypnos_site.errors import HypnosError, InvalidRequest, ModelNotAvailable, PayloadTooLarge
+from hypnos_site.errors import TOO_LARGE, HypnosError, InvalidRequest, ModelNotAvailable
 from inference import jobs
 from inference.client import InferenceClient
 from inference.document_job import ConversionSpec
@@ -212,13 +212,15 @@ async def _fetch(url: str, limit: int) -> bytes:
         noun="document",
         limit_name="limits.max_document_bytes",
         accept="*/*",
-        too_large=lambda message: PayloadTooLarge(message, param="url"),
+        too_large=lambda message: InvalidRequest(message, param="url", code=TOO_LARGE),
     )
     return await image_input.fetch(url, policy)
 
 
-def _too_large(size: int, limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(f"The document is {size} bytes, above limits.max_document_bytes ({limit}).", param="file")
+def _too_large(size: int, limit: int) -> InvalidRequest:
+    """Spec §1: a limit of the section exceeded is a 400 (the 413 is max_body_bytes's alone)."""
+    message = f"The document is {size} bytes, above limits.max_document_bytes ({limit})."
+    return InvalidRequest(message, param="file", code=TOO_LARGE)
 
 
 def _job_events(feed: JobFeed, job_id: str, record: CallRecord) -> AsyncGenerator[Any, None]:

@@ -24,7 +24,7 @@ from typing import Any
 from django.conf import settings
 from django.http import HttpResponseBase, JsonResponse
 
-from hypnos_site.errors import InvalidRequest, ModelNotAvailable, PayloadTooLarge
+from hypnos_site.errors import TOO_LARGE, InvalidRequest, ModelNotAvailable
 from inference import jobs
 from inference.client import InferenceClient
 from inference.image_job import ImageJobSpec
@@ -246,5 +246,8 @@ def _decode_base64(text: str) -> bytes:
         raise InvalidRequest("image is not valid base64 (nor a data: URI holding base64).", param="image") from None
 
 
-def _too_large(size: int, limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(f"The image is {size} bytes, above limits.max_image_bytes ({limit}).", param="image")
+def _too_large(size: int, limit: int) -> InvalidRequest:
+    """Spec §1: a limit of the section exceeded is a 400 (the 413 is max_body_bytes's alone)."""
+    return InvalidRequest(
+        f"The image is {size} bytes, above limits.max_image_bytes ({limit}).", param="image", code=TOO_LARGE
+    )

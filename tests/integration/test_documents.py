@@ -159,13 +159,18 @@ async def test_every_refusal_has_its_status_before_the_first_byte(api, files, tm
     assert leftovers() == []
 
 
-async def test_a_document_above_max_document_bytes_is_a_413_in_the_envelope(api, files, settings):
+async def test_a_document_above_max_document_bytes_is_a_400_in_the_envelope(api, files, settings):
+    """Spec §1: 400 (the 413 is the body-limit layer's, for max_body_bytes)."""
     with_limits(settings, max_document_bytes=2048)
     response = await upload(api, files["pdf"])
-    assert response.status_code == 413 and response.json()["error"]["type"] == "payload_too_large"
+    error = response.json()["error"]
+    assert response.status_code == 400 and (error["type"], error["code"]) == (
+        "invalid_request_error",
+        "payload_too_large",
+    )
     inline = base64.b64encode(files["pdf"].read_bytes()).decode()
     response = await post_json(api, URL, {"model": DOCLING, "file": inline})
-    assert response.status_code == 413 and response.json()["error"]["param"] == "file"
+    assert response.status_code == 400 and response.json()["error"]["param"] == "file"
 
 
 async def test_a_document_with_more_pages_than_the_cap_is_refused(api, files, settings):

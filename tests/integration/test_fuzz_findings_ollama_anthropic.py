@@ -69,14 +69,19 @@ async def test_a_foreign_origin_on_the_messages_routes_is_refused_in_anthropics_
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
-async def test_a_body_of_a_type_the_routes_do_not_read_is_a_415_in_each_apis_shape(api, content_type):
-    # The content-type check of the same middleware: a 415 in the /v1 envelope on both APIs.
-    chat = json.dumps({"model": SMOL, "messages": HI, "stream": False})
+async def test_a_json_body_of_another_label_is_read_and_what_does_not_parse_is_a_400_in_each_apis_shape(
+    api, content_type
+):
+    # Ollama's quick-start posts with curl -d (url-encoded label), litellm with none: Ollama reads both.
+    chat = json.dumps({"model": SMOL, "messages": HI, "stream": False, "options": {"num_predict": 1}})
     response = await api.post("/api/chat", data=chat, content_type=content_type)
-    assert "application/json" in ollama_refusal(response, 415)
+    assert response.status_code == 200 and response.json()["done"] is True
     message = json.dumps({"model": SMOL, "max_tokens": 1, "messages": HI})
     response = await api.post("/v1/messages", data=message, content_type=content_type)
-    assert "application/json" in anthropic_refusal(response, 415, "invalid_request_error")
+    assert response.status_code == 200 and response.json()["type"] == "message"
+    assert "JSON" in ollama_refusal(await api.post("/api/chat", data="x=1", content_type=content_type), 400)
+    refused = await api.post("/v1/messages", data="x=1", content_type=content_type)
+    assert "JSON" in anthropic_refusal(refused, 400, "invalid_request_error")
 
 
 async def test_a_host_the_server_does_not_answer_to_is_refused_in_the_routes_shape(api):

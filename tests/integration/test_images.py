@@ -161,14 +161,15 @@ async def test_bad_reference_images_are_refused(api, worker, image, status, para
     await assert_nothing_left(worker)
 
 
-async def test_a_reference_above_max_image_bytes_is_413(api, worker, settings):
+async def test_a_reference_above_max_image_bytes_is_a_400(api, worker, settings):
     with_limits(settings, max_image_bytes=1000)
     large = png_of(64, 64, noise=True)
     assert len(large) > 1000
     response = await api.post(EDITS, {"model": GAN, "prompt": "smile", "image": _upload(large)})
-    assert_refused(response, 413, "image")
+    assert_refused(response, 400, "image")
+    assert response.json()["error"]["code"] == "payload_too_large"
     response = await post_json(api, UPSCALE, {"model": GAN, "image": base64.b64encode(large).decode()})
-    assert_refused(response, 413, "image")
+    assert_refused(response, 400, "image")
     await assert_nothing_left(worker)
 
 

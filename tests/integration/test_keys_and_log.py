@@ -345,6 +345,20 @@ async def test_the_level_decides_which_calls_are_kept(api):
 # -- metrics ---------------------------------------------------------------------------------------
 
 
+async def test_the_http_families_label_each_route_as_the_url_table_names_it(api):
+    """Issue 34 item 3: Ollama's /api/tags was '/tags', Lemonade's /api/v1/health '/v1/health' (a
+    route that does not exist) and an unknown path '/v1/.*$'; every unknown path is one label."""
+    for path in ("/api/tags", "/api/v1/health", "/v1/models/smollm2-135m", "/v1/nope", "/api/nope", "/nothing"):
+        await api.get(path)
+    samples = await scrape(api)
+    routes = {dict(labels)["route"] for labels in samples["hypnos_http_requests_total"]}
+    assert {"/api/tags", "/api/v1/health", "/v1/models/<path:model_id>", "unmatched"} <= routes
+    assert not routes & {"/tags", "/v1/health", "/v1/.*$", "/.*$"}
+    assert not [r for r in routes if r != "unmatched" and any(c in r for c in "^$*")]
+    latency = (await api.get("/v1/memory/status")).json()["latency"]["routes"]
+    assert "/api/tags" in latency and "/tags" not in latency and not [r for r in latency if "*" in r]
+
+
 async def test_the_metrics_count_the_calls_of_each_key(api, settings):
     with_keys(settings, KeyConfig(key="sk-m", label="metered", requests_per_minute=2))
     usages = []

@@ -11,7 +11,7 @@ import pytest
 from django.http import QueryDict
 from django.test import override_settings
 
-from hypnos_site.errors import InvalidRequest, ModelNotAvailable, PayloadTooLarge, ServerError
+from hypnos_site.errors import InvalidRequest, ModelNotAvailable, ServerError
 from inference import jobs
 from inference.document_job import insert_descriptions
 from inference.serving.documents import _decode_inline, document_request
@@ -80,9 +80,9 @@ def test_an_inline_file_is_base64_or_a_base64_data_uri_within_the_limit():
         _decode_inline("not base64!", 1000)
     with pytest.raises(InvalidRequest, match="must be base64"):
         _decode_inline("data:text/plain,hello", 1000)
-    with pytest.raises(PayloadTooLarge) as refused:
+    with pytest.raises(InvalidRequest) as refused:
         _decode_inline(base64.b64encode(b"x" * 4000).decode(), 1000)
-    assert refused.value.status == 413 and refused.value.type == "payload_too_large"
+    assert refused.value.status == 400 and refused.value.code == "payload_too_large"
 
 
 def _message(seq: int, event: object) -> dict:

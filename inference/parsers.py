@@ -22,6 +22,8 @@ from rest_framework.exceptions import ParseError
 from rest_framework.settings import api_settings
 from rest_framework.utils import json
 
+from hypnos_site.json_bodies import too_many_values
+
 # No OpenAI request nests deeper than a dozen levels (a tool's JSON schema is the deepest); 64
 # leaves room for any real schema and refuses what exists only to exhaust the stack.
 MAX_JSON_DEPTH = 64
@@ -38,6 +40,9 @@ class JSONParser(parsers.JSONParser):
     def parse(self, stream: Any, media_type: str | None = None, parser_context: Mapping[str, Any] | None = None) -> Any:
         encoding = (parser_context or {}).get("encoding", settings.DEFAULT_CHARSET)
         raw = stream.read() if stream is not None else b""
+        too_many = too_many_values(raw)
+        if too_many:
+            raise ParseError(too_many)
         try:
             text = raw.decode(encoding)
         except (LookupError, UnicodeDecodeError) as exc:

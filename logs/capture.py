@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from hypnos_site.json_bodies import too_many_values
+
 LEVELS = ("off", "error", "warn", "info", "debug", "trace")
 # Each captured text field (input, output, payloads) keeps at most this many characters.
 MAX_TEXT_CHARS = 32_768
@@ -127,8 +129,10 @@ def input_text(body: Any) -> str | None:
 
 
 def json_body(raw: bytes) -> Any:
-    """The JSON document `raw` holds, or None (also when it nests too deep to parse: the
-    route's parser answers that body with a 400)."""
+    """The JSON document `raw` holds, or None (also when it nests too deep to parse, or holds
+    more than a body may: the route's parser answers that body with a 400)."""
+    if too_many_values(raw):
+        return None
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):

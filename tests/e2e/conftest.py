@@ -113,8 +113,11 @@ def write_config(directory: Path, ack_timeout_secs: float = 5.0) -> Path:
 worker_ack_timeout_secs = {ack_timeout_secs}
 
 [hardware]
-# Warm copies (tier 2) of at most 1 GiB a server, as in tests/hypnos.test.toml.
+# Warm copies (tier 2) of at most 1 GiB a server, as in tests/hypnos.test.toml, and 2 GiB of
+# (simulated) tier 1: the tool model and the chat model fit together, the media models take
+# turns. Two shared servers holding 4 GiB each pushed a run past 10 GB.
 pinned_ram_budget_bytes = 1073741824
+simulated_vram_bytes = 2147483648
 
 [limits]
 max_tokens_cap = 2000

@@ -9,6 +9,8 @@ import os
 import stat
 import subprocess
 import sys
+import tracemalloc
+from typing import Any
 
 import pytest
 from channels.routing import URLRouter
@@ -16,12 +18,13 @@ from channels.testing import WebsocketCommunicator
 from django.test import AsyncClient
 
 from hypnos_site.config import BASE_DIR, load_config
+from hypnos_site.json_bodies import MAX_JSON_CONTAINERS, MAX_JSON_VALUES
 from hypnos_site.settings import _allowed_hosts
 from inference.middleware import RealtimeOriginValidator
 from inference.parsers import MAX_JSON_DEPTH, JSONParser
 from inference.realtime import websocket_urlpatterns
 from tests.conftest import PARIS_MESSAGES
-from tests.integration.conftest import post_json
+from tests.integration.conftest import post_json, with_limits
 
 pytestmark = pytest.mark.django_db(transaction=True)
 CHAT = {"model": "smollm2-135m", "messages": PARIS_MESSAGES, "max_tokens": 2}
@@ -70,11 +73,15 @@ async def send(api, method: str, path: str, body: str, content_type: str = "appl
 
 
 @pytest.mark.parametrize(("method", "path"), JSON_ROUTES)
-async def test_json_nested_100000_deep_is_a_400_on_every_route(api, method, path):
-    body = '{"model": "smollm2-135m", "messages": ' + nested(100_000) + "}"
+async def test_json_nested_50000_deep_is_a_400_on_every_route(api, method, path):
+    # 50,000 levels: past the C scanner's recursion, within MAX_JSON_CONTAINERS (100,000 levels
+    # are refused by that count first, before anything is parsed).
+    body = '{"model": "smollm2-135m", "messages": ' + nested(50_000) + "}"
     error = error_of(await send(api, method, path, body), 400)
     assert error["type"] == "invalid_request_error"
     assert f"deeper than {MAX_JSON_DEPTH} levels" in error["message"]
+    deeper = '{"model": "smollm2-135m", "messages": ' + nested(MAX_JSON_CONTAINERS) + "}"
+    assert "objects and arrays" in error_of(await send(api, method, path, deeper), 400)["message"]
 
 
 async def test_json_just_past_the_depth_limit_is_a_400_and_at_it_parses(api):
@@ -89,6 +96,69 @@ def test_the_parser_counts_objects_and_arrays_alike():
     assert JSONParser().parse(_Stream(body)) == {"a": [{"b": [{}]}]}
     tools = {"tools": [{"function": {"parameters": {"properties": {"x": {"type": "object"}}}}}]}
     assert JSONParser().parse(_Stream(json.dumps(tools))) == tools
+
+
+# JSON size (issue 35): counted on the text, refused before anything is built
+
+
+def _messages(item: str, count: int) -> str:
+    return '{"model": "smollm2-135m", "messages": [' + ",".join([item] * count) + "]}"
+
+
+async def _peak_of(call) -> tuple[Any, int]:  # type: ignore[no-untyped-def]
+    """What `call` answers and the most memory Python held meanwhile above what it held before
+    (tracemalloc: every allocation of the process's Python objects, pydantic's included)."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        answer = await call()
+        return answer, tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+
+
+def _large_bodies(settings: Any) -> None:
+    """Bodies up to 64 MiB, for this test (the suite's config takes 1 MiB)."""
+    with_limits(settings, max_body_bytes=64 << 20)
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 64 << 20
+
+
+@pytest.mark.parametrize(
+    ("body", "limit"),
+    [
+        # The audit's bodies: 8 MiB of {} messages grew the process by 3.4 GB, 16 MiB of [] by 3.6 GB.
+        (_messages("{}", 2_796_202), f"more than {MAX_JSON_CONTAINERS} objects and arrays"),
+        (_messages("[]", 5_592_404), f"more than {MAX_JSON_CONTAINERS} objects and arrays"),
+        (_messages("1", 2_000_000), f"more than {MAX_JSON_VALUES} values"),
+    ],
+    ids=["8MiB-of-objects", "16MiB-of-arrays", "4MiB-of-numbers"],
+)
+async def test_a_body_of_too_many_values_is_a_400_before_it_is_built(api, settings, body, limit):
+    _large_bodies(settings)
+    response, peak = await _peak_of(lambda: send(api, "post", "/v1/chat/completions", body))
+    assert limit in error_of(response, 400)["message"]
+    # Copies of the text, never objects built from it: the test client's bytes, the request's,
+    # the request log's text, the parser's read and its count without strings (measured 5x;
+    # before the count, 8 MiB of {} took 245 MB here and 3.4 GB in a server).
+    assert peak < 8 * len(body), (peak, len(body))
+
+
+async def test_the_costliest_body_within_the_limits_stays_bounded(api, settings):
+    """Just under MAX_JSON_CONTAINERS empty messages: parsed, each refused by pydantic (an error
+    apiece), a 400 within 512 MB (measured: about 80 MB)."""
+    body = _messages("{}", MAX_JSON_CONTAINERS - 2)
+    _large_bodies(settings)
+    response, peak = await _peak_of(lambda: send(api, "post", "/v1/chat/completions", body))
+    assert error_of(response, 400)["param"] == "messages.0.role"
+    assert peak < 512 << 20, peak
+
+
+def test_braces_and_commas_inside_strings_are_not_counted():
+    prompt = "{[," * (MAX_JSON_VALUES + 1)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": prompt}]})
+    assert JSONParser().parse(_Stream(body))["messages"][0]["content"] == prompt
+    escaped = json.dumps({"a": 'say \\"{' + "[" * MAX_JSON_CONTAINERS + '"'})
+    assert JSONParser().parse(_Stream(escaped)) == json.loads(escaped)
 
 
 class _Stream:

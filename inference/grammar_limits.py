@@ -212,14 +212,19 @@ class _Walk:
                 f"has the pattern {pattern[:60]!r}, which is not anchored: llama.cpp's grammars "
                 "take only patterns that start with ^ and end with $",
             )
+        # Nesting first: Python's own regex parser recurses once per group, and 500 nested ones
+        # raised RecursionError here (a 500 on every route that takes a schema).
+        self.pattern_nesting(pattern, where)
         try:
             re.compile(pattern)
-        except re.error as exc:
+        except (re.error, RecursionError) as exc:
             raise self.bad(where, f"has the pattern {pattern[:60]!r}, not a regular expression: {exc}") from None
         for match in _QUANTIFIER.finditer(pattern):
             for bound in match.groups():
                 if bound:
                     self.count(where, "a pattern repetition", int(bound))
+
+    def pattern_nesting(self, pattern: str, where: str) -> None:
         depth = deepest = 0
         escaped = False
         for c in pattern:

@@ -358,7 +358,7 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")
 _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "bytes", "list", "dict", "none", "any"})
 
 
-def _union_tag(part: str | int) -> bool:
+def union_tag(part: str | int) -> bool:
     """Whether a part of a pydantic error location names a union member or a validator, not a
     field of the body (field names are snake_case; a member is a type or a model class)."""
     if isinstance(part, int):
@@ -387,5 +387,5 @@ def parse_body(model: type[M], data: Any) -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"] if not _union_tag(p)) or None
+        param = ".".join(str(p) for p in err["loc"] if not union_tag(p)) or None
         raise InvalidRequest(f"Invalid value for {param or 'the body'}: {err['msg']}", param=param) from exc

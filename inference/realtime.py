@@ -21,6 +21,7 @@ import logging
 import math
 import struct
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
@@ -29,9 +30,12 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.urls import path, re_path
+from pydantic import ValidationError
 
 from hypnos_site.errors import HypnosError, ServerError
+from inference.protocol import union_tag
 from inference.protocol_media import TranscriptionRequest
+from inference.protocol_realtime import AudioAppend, RealtimeEvent, SessionFields, SessionUpdate
 from inference.runtime import get_client
 from inference.serving.context import RequestContext
 from inference.serving.render import ws_error
@@ -45,6 +49,12 @@ DEFAULT_VAD = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
 VAD_LEVEL_PER_THRESHOLD = 0.04
 # Speech starts after this many voiced frames in a row (a click is not a word).
 VAD_START_FRAMES = 2
+# The model each handled event is read with (the rest have no fields of their own).
+EVENT_MODELS: dict[str, type[RealtimeEvent]] = {
+    "session.update": SessionUpdate,
+    "transcription_session.update": SessionUpdate,
+    "input_audio_buffer.append": AudioAppend,
+}
 # Close codes of RFC 6455 §7.4.1 a server may send, beyond 1000.
 RFC_SERVER_CLOSE_CODES = frozenset({1001, 1003, 1007, 1008, 1009, 1011, 1012, 1013})
 
@@ -192,6 +202,9 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         self.item_id: str | None = None
         self.previous_item_id: str | None = None
         self.turns: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
+        # Audio of the committed turns not yet taken by the transcriber: at most what one turn
+        # may hold (limits.max_audio_bytes / max_audio_secs); a commit past it is refused.
+        self.queued_bytes = 0
         self.worker_task = asyncio.ensure_future(self._transcribe_turns())
         await self.send_event(self._kind("created"), session=self.session)
 
@@ -199,6 +212,12 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         task = getattr(self, "worker_task", None)
         if task is not None:
             task.cancel()
+        # The session's audio goes with the socket, whenever the consumer itself is collected.
+        self.buffer = bytearray()
+        turns = getattr(self, "turns", None)
+        while turns is not None and not turns.empty():
+            turns.get_nowait()
+        self.queued_bytes = 0
 
     @staticmethod
     def _model(name: str) -> str | None:
@@ -242,61 +261,71 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         if self.refused:
             return
         try:
-            event = json.loads(text_data or "")
-            kind = event["type"]
-        except (ValueError, KeyError, TypeError):
-            await self.error("Each message must be a JSON object with a `type`.", "invalid_event")
+            event = RealtimeEvent.model_validate_json(text_data or "")
+        except ValidationError:
+            await self.error("Each message must be a JSON object with a string `type`.", "invalid_event")
             return
-        handler = {
+        kind = event.type
+        handlers: dict[str, Callable[[Any], Awaitable[None]]] = {
             "session.update": self._update,
             "transcription_session.update": self._update,
             "input_audio_buffer.append": self._append,
             "input_audio_buffer.commit": self._commit_request,
             "input_audio_buffer.clear": self._clear,
-        }.get(kind)
+        }
+        handler = handlers.get(kind)
         if handler is None:
             await self.error(
-                f"Unsupported event type {kind!r}: this server does realtime transcription.",
+                f"Unsupported event type {kind[:100]!r}: this server does realtime transcription.",
                 "unsupported_event",
-                event.get("event_id"),
+                event.event_id,
             )
             return
-        await handler(event)
+        model = EVENT_MODELS.get(kind, RealtimeEvent)
+        try:
+            typed = model.model_validate(event.model_dump())
+        except ValidationError as exc:
+            problem = exc.errors()[0]
+            param = ".".join(str(p) for p in problem["loc"] if not union_tag(p)) or None
+            await self.error(f"Invalid value for {param}: {problem['msg']}", "invalid_value", event.event_id, param)
+            return
+        await handler(typed)
 
-    async def _update(self, event: dict[str, Any]) -> None:
-        update = event.get("session") or {}
-        audio_format = update.get("input_audio_format", "pcm16")
-        if audio_format != "pcm16":
+    async def _update(self, event: SessionUpdate) -> None:
+        update = event.session or SessionFields()
+        if update.input_audio_format != "pcm16":
             await self.error(
                 "input_audio_format must be pcm16 (24 kHz mono).",
                 "invalid_value",
-                event.get("event_id"),
+                event.event_id,
                 "session.input_audio_format",
             )
             return
-        if "input_audio_transcription" in update:
-            transcription = update["input_audio_transcription"] or {}
+        given = update.model_fields_set
+        if "input_audio_transcription" in given and update.input_audio_transcription is not None:
             self.session["input_audio_transcription"].update(
-                {k: v for k, v in transcription.items() if k in ("model", "language", "prompt")}
+                update.input_audio_transcription.model_dump(exclude_unset=True)
             )
-        if "turn_detection" in update:
-            detection = update["turn_detection"]
-            self.session["turn_detection"] = {**DEFAULT_VAD, **detection} if detection else None
+        if "turn_detection" in given:
+            detection = update.turn_detection
+            self.session["turn_detection"] = (
+                {**DEFAULT_VAD, **detection.model_dump(exclude_unset=True)} if detection else None
+            )
             self.vad = self._vad()
         await self.send_event(self._kind("updated"), session=self.session)
 
-    async def _append(self, event: dict[str, Any]) -> None:
+    async def _append(self, event: AudioAppend) -> None:
         try:
-            pcm = base64.b64decode(event.get("audio", ""), validate=True)
+            pcm = base64.b64decode(event.audio, validate=True)
         except (binascii.Error, ValueError):
-            await self.error("audio must be base64-encoded pcm16.", "invalid_value", event.get("event_id"), "audio")
+            await self.error("audio must be base64-encoded pcm16.", "invalid_value", event.event_id, "audio")
             return
         limits = settings.HYPNOS.limits
         if len(self.buffer) + len(pcm) > limits.max_audio_bytes:
             await self.error(
                 f"The input audio buffer would exceed limits.max_audio_bytes ({limits.max_audio_bytes}).",
                 "buffer_too_large",
-                event.get("event_id"),
+                event.event_id,
                 "audio",
             )
             return
@@ -306,7 +335,7 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                 f"The input audio buffer would exceed limits.max_audio_secs "
                 f"({limits.max_audio_secs:g} s); commit or clear it.",
                 "buffer_too_large",
-                event.get("event_id"),
+                event.event_id,
                 "audio",
             )
             return
@@ -330,18 +359,30 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
                 )
                 await self._commit(upto=sample)
 
-    async def _commit_request(self, event: dict[str, Any]) -> None:
+    async def _commit_request(self, event: RealtimeEvent) -> None:
         if not self.buffer:
-            await self.error(
-                "The input audio buffer is empty.", "input_audio_buffer_commit_empty", event.get("event_id")
-            )
+            await self.error("The input audio buffer is empty.", "input_audio_buffer_commit_empty", event.event_id)
             return
-        await self._commit(upto=self.received)
+        await self._commit(upto=self.received, event_id=event.event_id)
 
-    async def _commit(self, upto: int) -> None:
+    async def _commit(self, upto: int, event_id: str | None = None) -> None:
         cut = (upto - self.buffer_start) * 2
         audio, self.buffer = bytes(self.buffer[:cut]), self.buffer[cut:]
         self.buffer_start = upto
+        limits = settings.HYPNOS.limits
+        queued = self.queued_bytes + len(audio)
+        if queued > limits.max_audio_bytes or queued / (2 * RATE) > limits.max_audio_secs:
+            # Turns arrive faster than they are transcribed: this one is dropped, not queued.
+            self.item_id = None
+            await self.error(
+                "Too much committed audio is waiting to be transcribed (limits.max_audio_bytes / "
+                "max_audio_secs for all waiting turns); this turn was dropped. Wait for the "
+                "transcripts of the turns before it.",
+                "turn_queue_full",
+                event_id,
+            )
+            return
+        self.queued_bytes = queued
         item_id, self.item_id = self.item_id or _id("item"), None
         await self.send_event("input_audio_buffer.committed", previous_item_id=self.previous_item_id, item_id=item_id)
         await self.send_event(
@@ -359,7 +400,7 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
         self.previous_item_id = item_id
         await self.turns.put((item_id, audio))
 
-    async def _clear(self, event: dict[str, Any]) -> None:
+    async def _clear(self, event: RealtimeEvent) -> None:
         self.buffer = bytearray()
         self.buffer_start = self.received
         self.item_id = None
@@ -376,6 +417,7 @@ class RealtimeConsumer(AsyncWebsocketConsumer):
             if turn is None:
                 return
             item_id, audio = turn
+            self.queued_bytes -= len(audio)
             options = self.session["input_audio_transcription"]
             try:
                 request = TranscriptionRequest(

@@ -104,6 +104,7 @@ def write_config(directory: Path, ack_timeout_secs: float = 5.0) -> Path:
     """A config with the suite's real model (absolute path) and room for long answers."""
     suite = load_config({"HYPNOS_CONFIG": str(BASE_DIR / "tests" / "hypnos.test.toml")})
     weights = suite.weights_file(suite.models[0])
+    entity_model = suite.weights_file(suite.models[1])
     tool_model = suite.weights_file(suite.models[2])
     media = {m.id: suite.weights_file(m) for m in suite.models if m.modality != "text_generation"}
     path = directory / "hypnos.toml"
@@ -113,11 +114,11 @@ def write_config(directory: Path, ack_timeout_secs: float = 5.0) -> Path:
 worker_ack_timeout_secs = {ack_timeout_secs}
 
 [hardware]
-# Warm copies (tier 2) of at most 1 GiB a server, as in tests/hypnos.test.toml, and 2 GiB of
-# (simulated) tier 1: the tool model and the chat model fit together, the media models take
-# turns. Two shared servers holding 4 GiB each pushed a run past 10 GB.
-pinned_ram_budget_bytes = 1073741824
-simulated_vram_bytes = 2147483648
+# Warm copies (tier 2) of at most 512 MiB a server and 3 GiB of (simulated) tier 1: the tool
+# model, the chat models and a media model or two fit together. The two shared servers holding
+# 4 + 12 GiB each pushed a run past 10 GB.
+pinned_ram_budget_bytes = 536870912
+simulated_vram_bytes = 3221225472
 
 [limits]
 max_tokens_cap = 2000
@@ -130,6 +131,15 @@ weights_path = "{weights}"
 context_len = 4096
 initial_tier = "tier1_gpu_vram"
 aliases = ["gpt-4o-mini"]
+
+[[models]]
+id = "qwen2.5-coder-0.5b"
+modality = "text_generation"
+engine = "ggml_llama"
+weights_path = "{entity_model}"
+context_len = 2048
+additional_modalities = ["entity_extraction"]
+initial_tier = "tier3_nvme_ssd"
 
 [[models]]
 id = "qwen2.5-coder-1.5b"
@@ -200,11 +210,12 @@ class Proc:
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 10) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds."""
         if self.popen.poll() is None:
             self.popen.terminate()
             try:
-                self.popen.wait(10)
+                self.popen.wait(grace)
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait()

@@ -272,7 +272,10 @@ def test_a_redis_outage_is_a_503_and_the_service_resumes_when_redis_is_back(depl
 
 def test_without_a_worker_a_chat_is_a_503_within_the_ack_timeout(deployment):
     wait_served(deployment.base_url)
-    deployment.worker.stop()  # SIGTERM: the supervisor stops the worker and exits
+    # SIGTERM: the supervisor stops the worker and exits, once what runs has finished: up to the
+    # drain's 30 s (server.shutdown_drain_secs; a relay may still be settling after the Redis
+    # restart of the test before).
+    deployment.worker.stop(grace=60)
     assert deployment.worker.popen.returncode == 0
     time.sleep(1.2)  # the web's copy of the pool is stale: the request asks the worker's status first
     started = time.monotonic()

@@ -20,6 +20,7 @@ from tests.integration.test_downloads import HubHandler, HubServer, HubState, en
 
 pytestmark = pytest.mark.e2e
 SMOL, TOOLS, EMBED = "smollm2-135m", "qwen2.5-coder-1.5b", "all-minilm-l6-v2"
+ENTITIES = "qwen2.5-coder-0.5b"
 ADMIN, PLAIN = "sk-ollama-e2e-admin", "sk-ollama-e2e-plain"
 PULLED = "smol-pulled"
 WEATHER = {
@@ -40,9 +41,11 @@ def client(server: Server, key: str | None = None) -> ollama.Client:
 def test_the_client_lists_shows_and_sees_what_runs(server):
     ollama_client = client(server)
     listed = {m.model: m for m in ollama_client.list().models}
-    assert {f"{SMOL}:latest", f"{TOOLS}:latest", f"{EMBED}:latest"} == set(listed)
+    assert {f"{SMOL}:latest", f"{ENTITIES}:latest", f"{TOOLS}:latest", f"{EMBED}:latest"} == set(listed)
     smol = listed[f"{SMOL}:latest"]
     assert smol.size > 50_000_000 and smol.details.family == "llama" and smol.details.quantization_level == "Q4_1"
+    # Just used, so in tier 1 whatever the tests before it loaded (each server's tier 1 is 3 GiB).
+    ollama_client.generate(model=SMOL, prompt="Hi", options={"num_predict": 1})
     running = {m.model: m for m in ollama_client.ps().models}
     assert running[f"{SMOL}:latest"].size > smol.size  # the weights and the context
     assert running[f"{SMOL}:latest"].expires_at > datetime.now(UTC)

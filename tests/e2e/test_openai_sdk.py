@@ -51,6 +51,7 @@ def test_an_unknown_model_raises_the_sdks_not_found(server):
 def test_the_sdk_lists_the_models(server):
     assert [m.id for m in sdk(server).models.list()] == [
         MODEL,
+        "qwen2.5-coder-0.5b",
         "qwen2.5-coder-1.5b",
         "all-minilm-l6-v2",
         "whisper-tiny.en",

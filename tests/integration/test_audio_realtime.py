@@ -97,6 +97,67 @@ async def test_an_empty_commit_and_an_unknown_event_are_errors(api):
     await communicator.disconnect()
 
 
+# The audit's malformed events (issue 35 item 3): each ended the socket with 1011 and a traceback.
+MALFORMED = [
+    ('{"type": {"a": 1}}', "invalid_event", None),
+    ('{"type": ["input_audio_buffer.append"]}', "invalid_event", None),
+    ('{"type": 7}', "invalid_event", None),
+    ("[1, 2]", "invalid_event", None),
+    ("not json", "invalid_event", None),
+    ('{"type": "input_audio_buffer.append", "audio": 123}', "invalid_value", "audio"),
+    ('{"type": "input_audio_buffer.append", "audio": ["AAAA"]}', "invalid_value", "audio"),
+    ('{"type": "session.update", "session": "pcm16"}', "invalid_value", "session"),
+    ('{"type": "session.update", "session": {"input_audio_transcription": "en"}}', "invalid_value", None),
+    ('{"type": "session.update", "session": {"turn_detection": "server_vad"}}', "invalid_value", None),
+    ('{"type": "session.update", "session": {"turn_detection": {"threshold": "loud"}}}', "invalid_value", None),
+    ('{"type": "session.update", "session": {"turn_detection": {"silence_duration_ms": -5}}}', "invalid_value", None),
+    ('{"type": "session.update", "session": {"input_audio_format": 16}}', "invalid_value", None),
+]
+
+
+async def test_a_malformed_event_is_an_error_event_and_the_session_goes_on(api):
+    communicator = await session()
+    await communicator.receive_json_from(10)  # created
+    for text, code, param in MALFORMED:
+        await communicator.send_to(text_data=text)
+        event = await communicator.receive_json_from(10)
+        assert event["type"] == "error" and event["error"]["code"] == code, (text, event)
+        if param is not None:
+            assert event["error"]["param"] == param, (text, event)
+    # Still the same session: a valid update is answered.
+    await communicator.send_json_to({"type": "transcription_session.update", "session": {"turn_detection": None}})
+    updated = await communicator.receive_json_from(10)
+    assert updated["type"] == "transcription_session.updated" and updated["session"]["turn_detection"] is None
+    await communicator.disconnect()
+
+
+async def test_committed_audio_waiting_for_its_transcript_is_bounded(api, settings):
+    """The audit queued 400 turns (99.6 min of audio, +399 MB) in 16.5 s: turns waiting for the
+    transcriber hold at most limits.max_audio_bytes, and one past it is dropped with an error."""
+    from tests.integration.conftest import with_limits
+
+    with_limits(settings, max_audio_bytes=RATE * 2 * 3)  # 3 s of pcm16 waiting at most
+    communicator = await session()
+    await communicator.receive_json_from(10)
+    await communicator.send_json_to({"type": "transcription_session.update", "session": {"turn_detection": None}})
+    await communicator.receive_json_from(10)
+    second = base64.b64encode(b"\x00\x01" * RATE).decode()  # one second of pcm16
+    outcomes = []
+    for _ in range(8):
+        await communicator.send_json_to({"type": "input_audio_buffer.append", "audio": second})
+        await communicator.send_json_to({"type": "input_audio_buffer.commit"})
+        while True:  # the commit's answer; transcripts of earlier turns may come in between
+            event = await communicator.receive_json_from(30)
+            if event["type"] in ("input_audio_buffer.committed", "error"):
+                break
+        outcomes.append(event["type"] if event["type"] != "error" else event["error"]["code"])
+    # The transcriber holds one turn and at most 3 s more wait: the commits sent meanwhile are
+    # dropped, each with its error, and the session goes on.
+    assert outcomes[0] == "input_audio_buffer.committed" and "turn_queue_full" in outcomes, outcomes
+    assert set(outcomes) == {"input_audio_buffer.committed", "turn_queue_full"}, outcomes
+    await communicator.disconnect()
+
+
 def test_the_vad_finds_a_turn_between_silences():
     silence = bytes(RATE // 2 * 2)
     # One second of a 600 Hz square wave at a quarter of full scale.

@@ -99,6 +99,11 @@ CRASHING_SCHEMAS = {
         "max_grammar_properties",
     ),
     "unanchored pattern": ({"type": "string", "pattern": "[a-z]+"}, "not anchored"),
+    # Python's regex parser recursed past its limit here: a RecursionError, a 500 (issue 35).
+    "pattern of 500 nested groups": (
+        {"type": "string", "pattern": "^" + "(" * 500 + "a" + ")" * 500 + "$"},
+        "nests 500 groups",
+    ),
     "dangling $ref": ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "names nothing"),
     "remote $ref": ({"$ref": "https://example.com/schema.json"}, "only local references"),
     "unknown type": ({"type": "strnig"}, "not one of"),
@@ -117,6 +122,42 @@ async def test_it_refuses_a_schema_that_would_crash_or_stall_llama_cpp(api, smol
     # ~0.02 s); a stalled grammar would take minutes.
     assert time.perf_counter() - started < 5
     assert smol.models[SMOL].admitted == 0  # the web process refused it: the worker never saw it
+
+
+NESTED = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^" + "(" * 500 + "a" + ")" * 500 + "$"}}}
+HELLO = [{"role": "user", "content": "Give me JSON."}]
+# Every route that takes a schema, each in its own API's shape (issue 35: all six answered 500).
+SCHEMA_ROUTES = {
+    "chat tools auto": (CHAT, chat(tools=[weather_tool(NESTED)], tool_choice="auto")),
+    "chat tools required": (CHAT, chat(tools=[weather_tool(NESTED)], tool_choice="required")),
+    "responses text.format": (
+        RESPONSES,
+        {
+            "model": SMOL,
+            "input": "Give me JSON.",
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": NESTED}},
+        },
+    ),
+    "ollama format": ("/api/chat", {"model": SMOL, "messages": HELLO, "format": NESTED, "stream": False}),
+    "anthropic output_config": (
+        "/v1/messages",
+        {
+            "model": SMOL,
+            "max_tokens": 8,
+            "messages": HELLO,
+            "output_config": {"format": {"type": "json_schema", "schema": NESTED}},
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SCHEMA_ROUTES))
+async def test_a_pattern_of_500_nested_groups_is_a_400_on_every_route_that_takes_a_schema(api, smol, case):
+    path, body = SCHEMA_ROUTES[case]
+    response = await post_json(api, path, body)
+    assert response.status_code == 400, (response.status_code, response.content[:300])
+    assert "nests 500 groups" in response.content.decode()
+    assert smol.models[SMOL].admitted == 0
 
 
 async def test_the_server_still_answers_after_the_crashing_schemas(api, smol):

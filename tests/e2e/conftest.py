@@ -100,11 +100,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def write_config(directory: Path, ack_timeout_secs: float = 5.0) -> Path:
-    """A config with the suite's real model (absolute path) and room for long answers."""
+def write_config(directory: Path, ack_timeout_secs: float = 5.0, entity_model: bool = True) -> Path:
+    """A config with the suite's real models (absolute paths) and room for long answers; without
+    `entity_model`, no Qwen2.5-Coder-0.5B (a test that adds it to the pool itself)."""
     suite = load_config({"HYPNOS_CONFIG": str(BASE_DIR / "tests" / "hypnos.test.toml")})
     weights = suite.weights_file(suite.models[0])
-    entity_model = suite.weights_file(suite.models[1])
+    entity_block = (
+        f"""[[models]]
+id = "qwen2.5-coder-0.5b"
+modality = "text_generation"
+engine = "ggml_llama"
+weights_path = "{suite.weights_file(suite.models[1])}"
+context_len = 2048
+additional_modalities = ["entity_extraction"]
+initial_tier = "tier3_nvme_ssd"
+
+"""
+        if entity_model
+        else ""
+    )
     tool_model = suite.weights_file(suite.models[2])
     media = {m.id: suite.weights_file(m) for m in suite.models if m.modality != "text_generation"}
     path = directory / "hypnos.toml"
@@ -132,16 +146,7 @@ context_len = 4096
 initial_tier = "tier1_gpu_vram"
 aliases = ["gpt-4o-mini"]
 
-[[models]]
-id = "qwen2.5-coder-0.5b"
-modality = "text_generation"
-engine = "ggml_llama"
-weights_path = "{entity_model}"
-context_len = 2048
-additional_modalities = ["entity_extraction"]
-initial_tier = "tier3_nvme_ssd"
-
-[[models]]
+{entity_block}[[models]]
 id = "qwen2.5-coder-1.5b"
 modality = "text_generation"
 engine = "ggml_llama"

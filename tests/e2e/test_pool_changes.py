@@ -41,7 +41,7 @@ def test_a_model_added_through_one_web_process_is_served_everywhere_and_survives
     suite = load_config({"HYPNOS_CONFIG": str(BASE_DIR / "tests" / "hypnos.test.toml")})
     ports = [free_port(), free_port()]
     env = base_env(
-        write_config(tmp_path),
+        write_config(tmp_path, entity_model=False),  # the test adds Qwen2.5-Coder-0.5B itself
         tmp_path,
         HYPNOS_DEPLOYMENT="distributed",
         HYPNOS_DATABASE_URL=postgres_url,

@@ -18,6 +18,7 @@ from inference import client, cluster
 from inference.client import ChannelLayerTransport
 from inference.cluster import WorkerDirectory
 from inference.wire import Accepted, ControlRequest, Heartbeat, Result, WorkerAnnouncement, encode_event
+from tests.unit.test_cluster import worker
 
 DEADLINE = 0.1  # REPLY_DEADLINE_SECS here
 # The worker's silence in these tests: several deadlines.
@@ -29,22 +30,8 @@ SLACK = 5.0
 
 
 def announcement(name: str) -> WorkerAnnouncement:
-    return WorkerAnnouncement(
-        worker_id=name,
-        channel=f"hypnos.worker.{name}!x",
-        host="box",
-        pid=1,
-        device="simulated",
-        simulated=True,
-        ready=True,
-        tier1_budget_bytes=1,
-        tier1_free_bytes=1,
-        tier2_budget_bytes=1,
-        tier2_free_bytes=1,
-        queue_depth=0,
-        announced_at=time.time(),
-        models={},
-    )
+    """A live, ready worker of that name (test_cluster's, with its default budgets)."""
+    return worker(name)
 
 
 class Layer:

@@ -8,7 +8,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
@@ -25,7 +25,7 @@ from hypnos_site.errors import InvalidRequest, PermissionDenied, UnsupportedMedi
 from inference import latency
 from inference.parsers import multipart_problem, reads_json
 from inference.views import UnknownRouteView
-from logs.middleware import UNMATCHED_ROUTE, async_content, route_label
+from logs.middleware import UNMATCHED_ROUTE, route_label
 
 
 def new_request_id() -> str:
@@ -81,7 +81,8 @@ class RequestIdMiddleware(_Middleware):
         label = route_label(request)
         route = None if label == UNMATCHED_ROUTE else label
         if isinstance(response, StreamingHttpResponse) and response.is_async:
-            content = async_content(response)
+            # is_async: the content is the async iterator Django gave it.
+            content = cast(AsyncIterator[bytes], response.streaming_content)
             response.streaming_content = _timed(content, route, request, response.status_code, client_id)
         else:
             _observe(route, request, response.status_code, client_id)

@@ -85,7 +85,7 @@ class InferenceAccountingMiddleware:
         if isinstance(response, StreamingHttpResponse):
             if response.is_async:
                 keep_text = response.get("Content-Type", "").startswith("text/")
-                response.streaming_content = call.watch(async_content(response), response.status_code, keep_text)
+                response.streaming_content = call.watch(_async_content(response), response.status_code, keep_text)
                 return response
         else:
             call.read_body(response)
@@ -392,7 +392,7 @@ def _http_observations(route: str, status: int, duration_ms: float) -> list[Obse
 UNMATCHED_ROUTE = "unmatched"
 
 
-def async_content(response: StreamingHttpResponse) -> AsyncIterator[bytes]:
+def _async_content(response: StreamingHttpResponse) -> AsyncIterator[bytes]:
     """The body of a response whose `is_async` is true: the async iterator Django gave it."""
     return cast(AsyncIterator[bytes], response.streaming_content)
 
@@ -415,7 +415,7 @@ async def _count_http(request: HttpRequest, response: HttpResponseBase) -> HttpR
         count_later(_http_observations(route_label(request), response.status_code, elapsed), request.path)
 
     if isinstance(response, StreamingHttpResponse) and response.is_async:
-        response.streaming_content = _counted_stream(async_content(response), record)
+        response.streaming_content = _counted_stream(_async_content(response), record)
     else:
         await record()
     return response

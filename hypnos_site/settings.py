@@ -137,6 +137,12 @@ elif DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # and never answers): GET /ready says so and a request that needs the database is a 503
     # (hypnos_site.errors.DatabaseUnavailable), not a hung thread. ?connect_timeout= in the URL wins.
     DATABASES["default"].setdefault("OPTIONS", {}).setdefault("connect_timeout", 3)
+    # Each request's first query checks its thread's kept connection first (SELECT 1) and
+    # reconnects when it is dead. The request threads are pooled (hypnos_site/handler.py), each
+    # with its own connection: after PostgreSQL restarts, a thread that was idle through the
+    # outage would otherwise answer its next request with "server closed the connection
+    # unexpectedly" (a 503) although the database is back.
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 if HYPNOS.server.deployment == "distributed":

@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +139,22 @@ def _until(check, within: float) -> float:  # type: ignore[no-untyped-def]
         time.sleep(0.1)
 
 
+# Requests at once: the server's request threads are pooled, each with its own kept connection,
+# and only concurrent requests reach more than the most recently used one.
+AT_ONCE = 12
+
+
+def _unknown_key_at_once(base_url: str) -> list[int]:
+    """AT_ONCE chat calls with a key only the database could know, at once: their statuses."""
+
+    def one(_: int) -> int:
+        headers = {"Authorization": f"Bearer {UNKNOWN_KEY}"}
+        return httpx.post(f"{base_url}/v1/chat/completions", json=CHAT, headers=headers, timeout=60).status_code
+
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        return list(pool.map(one, range(AT_ONCE)))
+
+
 def _database_unavailable(response: httpx.Response) -> None:
     assert response.status_code == 503, response.text
     error = response.json()["error"]
@@ -156,6 +173,8 @@ def test_the_database_going_away_is_a_503_and_its_return_is_noticed_by_itself(
         before = client.post("/v1/chat/completions", json=CHAT, headers=admin)
         assert before.status_code == 200, before.text
         assert client.get("/v1/logs", headers=admin).status_code == 200
+        # Several request threads now hold a connection to the database that is about to go.
+        assert _unknown_key_at_once(base_url) == [401] * AT_ONCE
 
         cluster.stop()
         stopped = time.monotonic()
@@ -206,6 +225,10 @@ def test_the_database_going_away_is_a_503_and_its_return_is_noticed_by_itself(
         assert before.headers["x-request-id"] in ids and after.headers["x-request-id"] in ids, ids
         unknown = client.post("/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {UNKNOWN_KEY}"})
         assert unknown.status_code == 401, unknown.text
+        # Every request thread, the ones idle through the outage too, checks its kept connection
+        # before using it: none answers "server closed the connection unexpectedly" (a 503).
+        for _ in range(3):
+            assert _unknown_key_at_once(base_url) == [401] * AT_ONCE
 
     assert proc.popen.poll() is None, proc.tail()
     log = proc.log.read_text(errors="replace")

@@ -8,7 +8,9 @@ does not stay in the pytest process through the end-to-end modules, which run af
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,13 @@ PARIS_MESSAGES = [
 ]
 
 _last_worker_user: list[str] = []
+# .ci/run's memory sampler reads which test is running from this file, to say where the peak is.
+_PROGRESS = os.environ.get("HYPNOS_CI_PROGRESS")
+
+
+def pytest_runtest_logstart(nodeid: str, location: object) -> None:
+    if _PROGRESS:
+        Path(_PROGRESS).write_text(nodeid)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-django has put the tests in their running order

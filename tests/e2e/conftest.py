@@ -383,8 +383,23 @@ class SharedServers:
 SHARED = SharedServers()
 
 
+def _server_group(item: pytest.Item) -> int:
+    """0: the test uses the embedded server, 1: neither shared server, 2: the distributed one."""
+    uses = SharedServers.uses(item)
+    return 0 if "embedded" in uses else 2 if "distributed" in uses else 1
+
+
 @pytest.hookimpl(trylast=True)  # after pytest-django has put the tests in their running order
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The end-to-end tests run in three groups, each in its modules' order: those of the embedded
+    # server, those of neither, those of the distributed deployment. So the two shared servers
+    # never run at once (a module whose tests take either one, `server`'s parameter, is split
+    # across the groups), which keeps the suite's peak memory to one of them.
+    e2e = [i for i, item in enumerate(items) if item.nodeid.startswith("tests/e2e/")]
+    if e2e:
+        ordered = sorted((items[i] for i in e2e), key=_server_group)
+        for i, item in zip(e2e, ordered, strict=True):
+            items[i] = item
     SHARED.last_user.clear()
     for item in items:
         for name in SharedServers.uses(item):

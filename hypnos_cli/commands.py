@@ -10,11 +10,13 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
-from hypnos_cli.client import LONG, Server
+from hypnos_cli.client import LONG, LONG_TIMEOUT_SECS, CliError, Server
 from hypnos_cli.output import TIER1, TIER2, TIER3, dump, duration, note, size, table, tier
 
 # `logs -f` asks for this many records each poll, enough for a busy second.
 FOLLOW_PAGE = 200
+# A move that outlasts the server's request_timeout_secs (a 202): how often to look again.
+MOVE_POLL_SECS = 1.0
 
 
 # -- list, ps, status ---------------------------------------------------------------------------
@@ -129,6 +131,8 @@ def _move(server: Server, args: argparse.Namespace, target: str, body: dict[str,
     moved = server.call(
         "POST", "/v1/memory/tier", body={"model": args.model, "target_tier": target, **body}, timeout=LONG
     )
+    if moved.get("status") == "moving":  # 202: past the server's request_timeout_secs, still going
+        moved = _until_moved(server, moved.get("model") or args.model, target, started)
     if args.json:
         return dump(moved)
     placement = moved.get("placement") or {}
@@ -140,6 +144,17 @@ def _move(server: Server, args: argparse.Namespace, target: str, body: dict[str,
     }[target]
     print(f"{moved.get('model', args.model)} is in tier {tier(target)} ({where}), {time.monotonic() - started:.1f} s")
     return 0
+
+
+def _until_moved(server: Server, model: str, target: str, started: float) -> dict[str, Any]:
+    """Poll GET /v1/memory/status until the model is in `target`: its row there."""
+    while time.monotonic() - started < LONG_TIMEOUT_SECS:
+        time.sleep(MOVE_POLL_SECS)
+        rows = server.get("/v1/memory/status").get("models") or []
+        row = next((r for r in rows if r.get("id") == model), None)
+        if row is not None and row.get("current_tier") == target:
+            return {"model": model, "placement": row.get("placement") or {}}
+    raise CliError(f"{model} is not in tier {tier(target)} after {LONG_TIMEOUT_SECS:g} s")
 
 
 def do_load(server: Server, args: argparse.Namespace) -> int:

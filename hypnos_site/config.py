@@ -30,6 +30,7 @@ Modality = Literal[
     "document_conversion",
     "entity_extraction",
 ]
+MAX_CONTEXT_LEN = 1 << 24
 EngineKind = Literal["ggml_llama", "ggml_whisper", "ggml_diffusion", "onnx_runtime", "docling", "gliner", "ncnn"]
 Priority = Literal["low", "normal", "high", "realtime_pinned"]
 
@@ -277,7 +278,8 @@ class ModelConfig(_Strict):
     engine: EngineKind
     # Relative paths are taken under models_dir.
     weights_path: str
-    context_len: int = Field(default=4096, ge=256)
+    # At most 16 Mi tokens: no model is trained for more, and a context is allocated at load.
+    context_len: int = Field(default=4096, ge=256, le=MAX_CONTEXT_LEN)
     slots: int = Field(default=1, ge=1)
     # server.keep_alive_secs for this model (None: the server's).
     keep_alive_secs: float | None = None

@@ -106,7 +106,10 @@ class InferenceCall(ABC):
         self.finished = False
         # The worker's estimate, made when it admitted the request (x-hypnos-estimated-wait-ms).
         self.estimated_wait_ms: float | None = None
-        # Once the engine runs: the longest wait for its next event before a 504 (None: no bound).
+        # Once the engine has produced its first event: the longest wait for the next one before
+        # a 504 (None: no bound). The wait for the first (the prompt's evaluation, however long)
+        # is not bounded here: spec §4's request_timeout_secs covers the time to the response
+        # headers (the timeout layer's 408), and a stream's body runs as long as max_tokens takes.
         self.stall_timeout: float | None = None
         # The HTTP request's record, filled as the events go by (None: nobody accounts for it).
         self.record: CallRecord | None = None
@@ -119,13 +122,15 @@ class InferenceCall(ABC):
 
     async def events(self) -> AsyncIterator[Event]:
         """Every event until the terminal Done (included), noted in the call's record. An Error
-        event raises its typed exception; an engine silent for `stall_timeout` is stopped and
-        raises EngineTimeout (504)."""
+        event raises its typed exception; an engine that falls silent for `stall_timeout` after
+        its first event is stopped and raises EngineTimeout (504)."""
         record = self.record
+        first = True
         try:
             while not self.finished:
                 try:
-                    event = await within(self.next_event(), self.stall_timeout)
+                    event = await within(self.next_event(), None if first else self.stall_timeout)
+                    first = False
                 except TimeoutError:
                     await self.abort()
                     raise EngineTimeout(STALLED.format(secs=self.stall_timeout)) from None

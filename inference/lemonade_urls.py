@@ -10,4 +10,5 @@ urlpatterns = [
     path("unload", views.LemonadeUnloadView.as_view()),
     path("stats", views.LemonadeStatsView.as_view()),
     path("pull", views.LemonadePullView.as_view()),
+    path("delete", views.LemonadeDeleteView.as_view()),
 ]

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from hypnos_site.config import MAX_CONTEXT_LEN
 from hypnos_site.errors import InvalidRequest
 from models_registry.advisor import Need
 
@@ -289,8 +290,8 @@ class LemonadeLoadRequest(_Wire):
     @field_validator("ctx_size")
     @classmethod
     def _context(cls, value: int | None) -> int | None:
-        if value is not None and value != -1 and value < 256:
-            raise ValueError("must be -1 (the model's own) or at least 256")
+        if value is not None and value != -1 and not 256 <= value <= MAX_CONTEXT_LEN:
+            raise ValueError(f"must be -1 (the model's own) or between 256 and {MAX_CONTEXT_LEN}")
         return None if value == -1 else value
 
     @property
@@ -315,7 +316,7 @@ class InternalSetRequest(_Wire):
 class MemoryTierRequest(_Wire):
     model: str = Field(min_length=1)
     target_tier: Literal["tier1_gpu_vram", "tier2_pinned_ram", "tier3_nvme_ssd"]
-    context_len: int | None = Field(default=None, ge=256)
+    context_len: int | None = Field(default=None, ge=256, le=MAX_CONTEXT_LEN)
     # Several inference workers: the one (server.worker_id) to move it on; unset, the one that
     # holds it (a promotion: where a request would be routed).
     worker: str | None = Field(default=None, min_length=1, max_length=64)

@@ -13,7 +13,7 @@ from rest_framework.parsers import BaseParser
 from rest_framework.request import Request
 
 from hypnos_site import __version__
-from hypnos_site.errors import InvalidRequest, NotFound, database_reason, uncaught_response
+from hypnos_site.errors import EngineTimeout, InvalidRequest, NotFound, database_reason, uncaught_response
 from inference import latency
 from inference.deadline import within
 from inference.parsers import JSONParser, MultiPartParser
@@ -159,8 +159,21 @@ class MemoryTierView(APIView):
     permission_classes = [IsAdminKey]
 
     async def post(self, request: Request) -> JsonResponse:
+        """The move, answered when it is done; one that takes longer than
+        limits.request_timeout_secs goes on in the worker and is a 202 that says where to look
+        (a 504 here once meant nothing, as the model arrived in its tier a moment later)."""
         body = parse_body(MemoryTierRequest, request.data)
-        return JsonResponse(await get_client().control("move", body.model_dump(exclude_none=True)))
+        try:
+            return JsonResponse(await get_client().control("move", body.model_dump(exclude_none=True)))
+        except EngineTimeout as exc:
+            moving = {
+                "model": body.model,
+                "target_tier": body.target_tier,
+                "status": "moving",
+                "message": f"{exc.message} The move goes on; GET /v1/memory/status shows the model's "
+                "current_tier when it is done.",
+            }
+            return JsonResponse(moving, status=202, headers={"Location": "/v1/memory/status"})
 
 
 class CompletionsView(APIView):
@@ -272,6 +285,15 @@ class LemonadePullView(APIView):
 
     async def post(self, request: Request) -> HttpResponseBase:
         return await lemonade.pull(get_client(), parse_body(LemonadePullRequest, request.data))
+
+
+class LemonadeDeleteView(APIView):
+    """Changes the pool and removes files: admin keys only, as DELETE /v1/models/{id}."""
+
+    permission_classes = [IsAdminKey]
+
+    async def post(self, request: Request) -> JsonResponse:
+        return JsonResponse(await lemonade.delete(get_client(), _object(request.data)))
 
 
 class LemonadeStatsView(APIView):

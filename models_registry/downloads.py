@@ -390,26 +390,46 @@ def download(
     label = label or dest.name
     part = part_path(dest)
     expected, sha256, whose = _expected(size, sha256, declared, label, url)
+    created = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]
     dest.parent.mkdir(parents=True, exist_ok=True)
-    for attempt in range(retries + 1):
-        try:
-            _fetch_to_part(client, url, part, expected, headers or {}, label, progress, on_bytes)
-            break
-        except httpx.TransportError as exc:
-            kept = part.stat().st_size if part.exists() else 0
-            if attempt == retries:
-                of = f" of {expected.bytes}" if expected.bytes is not None else ""
-                raise DownloadError(
-                    f"{label}: {url} failed ({type(exc).__name__}: {exc or 'no detail'}); "
-                    f"{kept}{of} bytes are kept in {part}: run the same command "
-                    "again to resume"
-                ) from exc
-            logger.warning("%s: %s (%s); resuming from byte %d", label, url, type(exc).__name__, kept)
-        except httpx.RequestError as exc:
-            raise DownloadError(f"{label}: {url} failed ({type(exc).__name__}: {exc})") from exc
+    try:
+        for attempt in range(retries + 1):
+            try:
+                _fetch_to_part(client, url, part, expected, headers or {}, label, progress, on_bytes)
+                break
+            except httpx.TransportError as exc:
+                kept = part.stat().st_size if part.exists() else 0
+                if attempt == retries:
+                    of = f" of {expected.bytes}" if expected.bytes is not None else ""
+                    resume = (
+                        f"{kept}{of} bytes are kept in {part}: run the same command again to resume"
+                        if kept
+                        else "nothing was written: run the same command again"
+                    )
+                    raise DownloadError(
+                        f"{label}: {url} failed ({type(exc).__name__}: {exc or 'no detail'}); {resume}"
+                    ) from exc
+                logger.warning("%s: %s (%s); resuming from byte %d", label, url, type(exc).__name__, kept)
+            except httpx.RequestError as exc:
+                raise DownloadError(f"{label}: {url} failed ({type(exc).__name__}: {exc})") from exc
+    except BaseException:
+        _drop_empty(part, created)
+        raise
     _verify(part, expected, sha256, whose, label)
     os.replace(part, dest)
     return expected.bytes
+
+
+def _drop_empty(part: Path, created: list[Path]) -> None:
+    """After a failed download: an empty `.part`, then the folders this download made for it
+    (deepest first) while they are empty, so a failure leaves models_dir as it found it."""
+    if part.exists() and part.stat().st_size == 0:
+        part.unlink()
+    for folder in created:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def _fetch_to_part(

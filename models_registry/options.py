@@ -4,11 +4,14 @@ the database (ModelOptions) and applied at every start."""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from functools import cache
+from typing import Annotated, Any
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
-from hypnos_site.config import ENGINE_SAMPLING_DEFAULTS, ModelConfig, SamplingDefaults
+from hypnos_site.config import ENGINE_SAMPLING_DEFAULTS, HypnosConfig, ModelConfig, SamplingDefaults
+from memory.gguf import GgufError, read_gguf
 from models_registry.pool import PoolCheckFailed
 
 # The knobs of the model block an option can set; changing one but priority or initial_tier
@@ -54,14 +57,54 @@ def config_layer(model: ModelConfig) -> dict[str, Any]:
     return knobs | model.sampling.model_dump(exclude_none=True)
 
 
+@cache
+def _adapter(key: str) -> TypeAdapter[Any]:
+    """The option's type with its bounds, as the model block's field declares it."""
+    field = ModelConfig.model_fields[key] if key in KNOBS else SamplingDefaults.model_fields[key]
+    return TypeAdapter(Annotated[field.annotation, field])  # type: ignore[arg-type]  # a type built at run time
+
+
+def checked(key: str, value: Any) -> Any:
+    """An option's value as JSON typed it, within its bounds (strict: "2048" is not a context
+    length; it was once saved as the string and shown so everywhere); PoolCheckFailed else."""
+    if value is None:
+        return None
+    try:
+        return _adapter(key).dump_python(_adapter(key).validate_json(json.dumps(value), strict=True), mode="json")
+    except ValidationError as exc:
+        raise PoolCheckFailed([f"{key}: {err['msg']} (got {value!r})" for err in exc.errors()]) from None
+
+
 def merge(saved: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
-    """`changes` over `saved`: a null removes its key; an unknown key is refused."""
+    """`changes` over `saved`: a null removes its key; an unknown key or a value of the wrong
+    type or out of bounds is refused."""
     changes = translated(changes)
     unknown = sorted(set(changes) - set(OPTION_KEYS))
     if unknown:
         raise PoolCheckFailed([f"unknown option {key!r} (options: {', '.join(OPTION_KEYS)})" for key in unknown])
+    changes = {key: checked(key, value) for key, value in changes.items()}
     merged = {**saved, **changes}
     return {key: value for key, value in merged.items() if value is not None}
+
+
+def trained_context_len(config: HypnosConfig, model: ModelConfig) -> int | None:
+    """The context a llama.cpp model was trained for: its [models.arch], else its GGUF's
+    header (None for other engines, or a file that cannot be read)."""
+    if model.arch.context_length:
+        return model.arch.context_length
+    if model.engine != "ggml_llama":
+        return None
+    try:
+        return read_gguf(config.weights_file(model)).arch_int("context_length") or None
+    except (GgufError, OSError):
+        return None
+
+
+def check_context(saved: dict[str, Any], trained: int | None) -> None:
+    """A saved context_len no larger than the model was trained for (PoolCheckFailed)."""
+    context = saved.get("context_len")
+    if trained and context and context > trained:
+        raise PoolCheckFailed([f"context_len: {context} is more than the {trained} tokens the model was trained for"])
 
 
 def apply(model: ModelConfig, saved: dict[str, Any]) -> ModelConfig:
@@ -85,8 +128,9 @@ def layers(model: ModelConfig, saved: dict[str, Any]) -> dict[str, Any]:
         "model": model.id,
         "defaults": defaults_layer(),
         "config": config,
-        "saved": saved,
-        "effective": effective,
+        # Lemonade's clients read its own name beside Hypnos's (recipe_options.ctx_size).
+        "saved": lemonade_view(saved),
+        "effective": lemonade_view(effective),
         # Lemonade's: the context a load now would allocate.
         "resolved_ctx_size": effective["context_len"],
     }

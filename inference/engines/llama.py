@@ -76,6 +76,9 @@ class LlamaEngine(Engine):
         self._metadata: dict[str, object] = {}
         # When the single-slot context's conversation was last served (KV idle timeout).
         self._used_at = time.monotonic()
+        # The tool router's own sequence (its few-shot prompt, the same every time), set aside
+        # between routing passes on the single-slot context (_RouterTurn).
+        self._router_kv: _KeptSequence | None = None
 
     @property
     def loaded(self) -> bool:
@@ -233,6 +236,7 @@ class LlamaEngine(Engine):
             self._llm.close()
         self._llm = None
         self._formatter = None
+        self._router_kv = None
 
     def cool(self) -> None:
         self.unload()
@@ -575,15 +579,25 @@ class LlamaEngine(Engine):
         ).prompt
         tokens = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
         answer: list[str] = []
-        self._decode(
-            llm,
-            tokens,
-            ChatWork(messages=[], max_tokens=16, temperature=0.0),
-            grammar,
-            16,
-            threading.Event(),
-            AnswerOutput(lambda text, _logprobs, _reasoning=False: answer.append(text), hold=False, forced=False),
-        )
+        # The slot scheduler runs the pass in a slot of its own; on the single context, the
+        # conversation's KV is set aside for it and put back after.
+        conversation = _KeptSequence.take(llm) if self._scheduler is None else None
+        if conversation is not None and self._router_kv is not None:
+            self._router_kv.put(llm)
+        try:
+            self._decode(
+                llm,
+                tokens,
+                ChatWork(messages=[], max_tokens=16, temperature=0.0),
+                grammar,
+                16,
+                threading.Event(),
+                AnswerOutput(lambda text, _logprobs, _reasoning=False: answer.append(text), hold=False, forced=False),
+            )
+        finally:
+            if conversation is not None:
+                self._router_kv = _KeptSequence.take(llm)
+                conversation.put(llm)
         decision = "".join(answer).strip()
         return {"name": decision} if decision in names else None
 
@@ -716,6 +730,36 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[llama_types.ChatComp
 
 # The router's instructions and generic examples, each carrying its own function list, so the
 # model learns the task and not the tools (measured: 10 of 10 right on Qwen2.5-Coder-1.5B).
+@dataclass(frozen=True)
+class _KeptSequence:
+    """The single-slot context's sequence 0 (its KV cells and tokens) set aside, so that the
+    tool router's pass does not evict the conversation: without it, a tool_choice "auto" call
+    evaluated the router's prompt and then the whole conversation again (3-4x a forced call's
+    time); with it, the conversation's prefix is reused as a forced call's is, and the router's
+    few-shot prefix is reused from its previous pass."""
+
+    data: bytes | None
+    tokens: tuple[int, ...]
+
+    @classmethod
+    def take(cls, llm: llama_cpp.Llama) -> _KeptSequence:
+        """Copy sequence 0 out and leave the context empty."""
+        kept = cls(
+            seq_state(llm.ctx, 0) if llm.n_tokens else None, tuple(int(t) for t in llm._input_ids[: llm.n_tokens])
+        )
+        llama_cpp.llama_memory_seq_rm(llm._ctx.memory, 0, 0, -1)
+        llm.n_tokens = 0
+        return kept
+
+    def put(self, llm: llama_cpp.Llama) -> None:
+        """Replace sequence 0 with this one (an empty context when llama.cpp refuses it)."""
+        llama_cpp.llama_memory_seq_rm(llm._ctx.memory, 0, 0, -1)
+        llm.n_tokens = 0
+        if self.data is not None and set_seq_state(llm.ctx, 0, self.data):
+            llm.input_ids[: len(self.tokens)] = self.tokens
+            llm.n_tokens = len(self.tokens)
+
+
 ROUTER_SHOTS: list[dict[str, str]] = [
     {
         "role": "system",

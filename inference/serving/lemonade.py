@@ -13,6 +13,7 @@ from hypnos_site.config import ModelConfig
 from hypnos_site.errors import HypnosError, InvalidRequest, ModelNotAvailable
 from inference.client import InferenceClient
 from inference.protocol import LemonadeLoadRequest, LemonadePullRequest
+from inference.protocol_ollama import DeleteRequest
 from inference.serving import ollama_pull
 from inference.serving import pool as pool_changes
 from inference.serving.chat import last_stats, sse_response
@@ -111,6 +112,15 @@ async def unload(client: InferenceClient, body: dict[str, Any]) -> dict[str, Any
         if state["current_tier"] == "tier1_gpu_vram":
             await client.control("move", {"model": model_id, "target_tier": "tier2_pinned_ram"})
     return {"status": "success", "message": "Unloaded all models"}
+
+
+async def delete(client: InferenceClient, body: dict[str, Any]) -> dict[str, Any]:
+    """POST /api/v1/delete: as Ollama's DELETE /api/delete (out of the pool once its requests
+    are done, then the files only it used), in Lemonade's answer."""
+    name = _model_name(body, required=True)
+    assert name is not None
+    await ollama_pull.delete(client, DeleteRequest(model=name))
+    return {"status": "success", "message": f"Deleted model: {name}"}
 
 
 def stats() -> dict[str, Any]:

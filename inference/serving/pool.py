@@ -177,8 +177,13 @@ async def set_options(client: InferenceClient, model_id: str, body: dict[str, An
     changes = dict(body or {})
     dry_run = bool(changes.pop("dry_run", False))
     drain_secs = _drain_secs(changes.pop("drain_secs", 120))
+    for echo in ("model_name", "model"):  # Lemonade's clients name the model in the body too
+        if echo in changes and changes.pop(echo) not in (model_id, base.id):
+            raise InvalidRequest(f"The body's {echo} is not {base.id!r}, the model of the path.", param=echo)
     try:
         saved = model_options.merge(saved, changes) if body is not None else {}
+        trained = await sync_to_async(model_options.trained_context_len)(settings.HYPNOS, base)
+        model_options.check_context(saved, trained)
         model = model_options.apply(base, saved)
     except PoolCheckFailed as exc:
         raise InvalidRequest("The options cannot be saved: " + "; ".join(exc.reasons) + ".") from exc

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 Event = Any  # an inference.wire event
 MEDIA_OPS = {"embed": "embeddings", "transcribe": "speech_to_text", "speech": "text_to_speech"}
-ROUTES = {"embed": "embeddings", "transcribe": "transcriptions", "speech": "speech"}
+ROUTES = {"embed": "/v1/embeddings", "transcribe": "/v1/audio/transcriptions", "speech": "/v1/audio/speech"}
 VECTORS_PER_EVENT = 256  # 384 dims: ~0.5 MB of base64 per event
 AUDIO_BYTES_PER_EVENT = 256 << 10
 STREAMABLE_FORMATS = ("wav", "pcm")
@@ -57,10 +57,14 @@ def media_work(config: ModelConfig, work: EmbedWork | TranscribeWork | SpeechWor
     """The op's work, refused at admission when the model does not serve its modality."""
     op = work.kind
     if config.modality != MEDIA_OPS[op]:
-        raise InvalidRequest(
-            f"The model {config.id!r} serves {config.modality}, not {MEDIA_OPS[op]} (/v1/{ROUTES[op]}).",
-            param="model",
-        )
+        message = f"The model {config.id!r} serves {config.modality}, not {MEDIA_OPS[op]} ({ROUTES[op]})."
+        if op == "transcribe" and config.speech_to_text_model:
+            # Its modalities list speech_to_text: it hears a chat's audio parts through another model.
+            message += (
+                f" It hears the audio parts of a chat through {config.speech_to_text_model!r}; "
+                f"send a transcription to that model."
+            )
+        raise InvalidRequest(message, param="model")
     return MediaWork(op, work)
 
 

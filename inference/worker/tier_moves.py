@@ -15,6 +15,7 @@ from typing import Any
 from hypnos_site.config import HypnosConfig, LimitsConfig, ModelConfig
 from hypnos_site.errors import (
     InsufficientMemory,
+    InvalidRequest,
     ModelBusy,
     ModelNotAvailable,
     ProcessMemoryCap,
@@ -183,18 +184,30 @@ class TierMoves:
         engine.check_context(work)
         return work, switch
 
-    def ensure_tier1(self, runtime: ModelRuntime, context_len: int) -> TierSwitch:
+    def ensure_tier1(self, runtime: ModelRuntime, context_len: int, exact: bool = False) -> TierSwitch:
         """Bring the (leased) model to tier 1 with at least `context_len` tokens of context (a
         load allocates at least the model's configured context_len), up to what the model was
-        trained for. Single-flight: concurrent requests wait for one load."""
+        trained for; `exact` (a load that names its context: POST /v1/memory/tier, Lemonade's
+        ctx_size) allocates that context, smaller than the configured one too, reloading a
+        resident model whose context differs. Single-flight: concurrent requests wait for one load."""
         model_id = runtime.config.id
         with runtime.load_lock:
             engine = runtime.engine
             assert engine is not None
             trained = engine.trained_context_len or context_len
-            if engine.loaded and engine.context_len >= min(context_len, trained):
+            if exact:
+                if context_len > trained:
+                    raise InvalidRequest(
+                        f"context_len {context_len} is more than the {trained} tokens {model_id!r} was trained for.",
+                        param="context_len",
+                    )
+                wanted = context_len
+                if engine.loaded and engine.context_len == wanted:
+                    return TierSwitch(previous_tier=MemoryTier.TIER1)
+            elif engine.loaded and engine.context_len >= min(context_len, trained):
                 return TierSwitch(previous_tier=MemoryTier.TIER1)
-            wanted = min(max(context_len, runtime.config.context_len), trained)
+            else:
+                wanted = min(max(context_len, runtime.config.context_len), trained)
             switch = TierSwitch(previous_tier=self.tiers.tier(model_id))
             with self.placement_lock:
                 placement, evictions = self._plan(model_id, wanted)
@@ -303,7 +316,7 @@ class TierMoves:
                 raise ModelBusy(f"The model {model_id!r} is serving requests; retry when it is idle.")
         try:
             if target == MemoryTier.TIER1:
-                self.ensure_tier1(runtime, context_len or runtime.config.context_len)
+                self.ensure_tier1(runtime, context_len or runtime.config.context_len, exact=context_len is not None)
             elif target == MemoryTier.TIER2:
                 self._warm(runtime, engine)
             else:

@@ -165,6 +165,19 @@ async def test_an_unknown_speech_format_is_400(api):
 async def test_speech_on_a_chat_model_is_400(api):
     response = await post_json(api, "/v1/audio/speech", {"model": "smollm2-135m", "input": "Hi."})
     assert response.status_code == 400 and "text_to_speech" in response.json()["error"]["message"]
+    assert "(/v1/audio/speech)" in response.json()["error"]["message"]
+
+
+async def test_a_transcription_on_a_chat_model_is_400_naming_the_route_and_the_model_that_hears(api, spoken_wav):
+    audio = spoken_wav.get("wav") or (await speak(api)).content
+    form = {"model": "smollm2-135m", "file": SimpleUploadedFile("speech.wav", audio, "audio/wav")}
+    response = await api.post("/v1/audio/transcriptions", form)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "model"
+    # Once it named /v1/transcriptions, a path that does not exist.
+    assert "(/v1/audio/transcriptions)" in error["message"] and "/v1/transcriptions" not in error["message"]
+    assert "'whisper-tiny.en'" in error["message"], error["message"]
 
 
 async def test_the_transcription_formats(api, spoken_wav):

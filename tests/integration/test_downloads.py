@@ -402,6 +402,29 @@ def test_an_unreachable_hub_is_a_clear_error(catalog, tmp_path, monkeypatch):
         fetchmodels(catalog, tmp_path, "tiny:1b:Q8_0")
 
 
+def test_a_failed_download_leaves_no_folder_and_names_no_part_it_did_not_write(hub, tmp_path, monkeypatch):
+    """Once a failed pull left empty folders in models_dir and its message named a `.part` that
+    did not exist."""
+    import httpx
+
+    from models_registry.downloads import DownloadError, download
+
+    base, _ = hub
+    models = tmp_path / "models"
+    models.mkdir()
+    dest = models / "acme" / "nested" / "gone.gguf"
+    with httpx.Client() as client, pytest.raises(DownloadError, match="HTTP 404"):
+        download(client, f"{base}/acme/none/resolve/main/gone.gguf", dest, 100, retries=0)
+    assert list(models.iterdir()) == []
+    with socket.socket() as probe:  # nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with httpx.Client() as client, pytest.raises(DownloadError) as refused:
+        download(client, f"http://127.0.0.1:{port}/gone.gguf", dest, 100, retries=0)
+    assert "nothing was written" in str(refused.value) and ".part" not in str(refused.value)
+    assert list(models.iterdir()) == []
+
+
 def test_what_does_not_fit_on_disk_is_refused_with_the_numbers(catalog, hub, tmp_path, monkeypatch):
     _, state = hub
     monkeypatch.setattr(downloads, "_free_bytes", lambda path: 1 << 20)

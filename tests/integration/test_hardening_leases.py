@@ -63,37 +63,34 @@ async def test_it_releases_the_lease_of_an_abandoned_stream_at_once(api, tight):
     assert tight.tiers.entries[SMOL].tier != "tier1_gpu_vram"
 
 
-async def test_it_ends_a_stream_whose_engine_stalls_past_the_request_timeout_with_a_timeout_chunk(
-    api, worker, settings
-):
+async def test_a_stream_whose_prompt_takes_longer_than_the_request_timeout_is_not_cut(api, worker, settings):
+    """Spec §4: request_timeout_secs bounds the time to the response headers; a stream's body
+    runs as long as max_tokens takes, its prompt's evaluation included (once it was cut after the
+    role chunk: "the engine produced nothing for 1.5 s")."""
     warm = await post_json(api, URL, {"model": SMOL, "messages": long_prompt("Warm", 1000), "max_tokens": 1})
     assert warm.status_code == 200, warm.content
-    with_limits(settings, request_timeout_secs=0.4)
+    # The prompt below takes seconds to evaluate; a token after it, tens of milliseconds.
+    with_limits(settings, request_timeout_secs=1.0)
     stream = await post_json(
-        api, URL, {"model": SMOL, "messages": long_prompt("Go", 1000), "max_tokens": 50, "stream": True}
+        api, URL, {"model": SMOL, "messages": long_prompt("Go", 1000), "max_tokens": 8, "stream": True}
     )
     assert stream.status_code == 200
     events = await read_sse(stream)
     assert events[-1] == "[DONE]"
-    assert events[-2]["choices"][0]["finish_reason"] == "error"
-    assert events[-2]["error"]["type"] == "timeout"
-    assert "request_timeout_secs" in events[-2]["error"]["message"]
-    assert all(not e["choices"][0]["delta"].get("content") for e in events[:-1])
-    # The abort released the lease; the engine stops after the prompt (minutes when the cores are shared).
-    assert worker.tiers.entries[SMOL].leases == 0
-    runtime = worker.models[SMOL]
-    assert await wait_until(lambda: runtime.admitted == 0 and runtime.engine_users == 0, timeout=180)
+    assert all("error" not in e for e in events[:-1]), events
+    assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length"), events[-2]
 
 
-async def test_a_tier_move_longer_than_the_request_timeout_is_a_504(api, tight, settings):
+async def test_a_tier_move_longer_than_the_request_timeout_is_a_202_and_goes_on(api, tight, settings):
     with_limits(settings, request_timeout_secs=0.05)
     response = await post_json(api, "/v1/memory/tier", {"model": QWEN, "target_tier": "tier1_gpu_vram"})
-    assert response.status_code == 504
+    assert response.status_code == 202, response.content
     assert response["x-request-id"].startswith("req-")
-    error = response.json()["error"]
-    assert error["type"] == "timeout" and error["code"] == "timeout" and error["param"] is None
-    assert "request_timeout_secs" in error["message"]
-    # The load itself goes on in the worker and ends in tier 1.
+    assert response["location"] == "/v1/memory/status"
+    moving = response.json()
+    assert moving["model"] == QWEN and moving["target_tier"] == "tier1_gpu_vram" and moving["status"] == "moving"
+    assert "request_timeout_secs" in moving["message"] and "/v1/memory/status" in moving["message"]
+    # The load goes on in the worker and ends in tier 1, as the 202 said.
     assert await wait_until(
         lambda: tight.tiers.entries[QWEN].tier == "tier1_gpu_vram" and not tight.tiers.entries[QWEN].leases, timeout=60
     )

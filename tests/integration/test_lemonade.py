@@ -83,11 +83,60 @@ async def test_ctx_size_is_context_len_and_the_options_say_the_resolved_size(api
     described = (await api.get(f"/api/v1/models/{SMOL}")).json()
     assert described["recipe_options"] == {"ctx_size": layers["effective"]["context_len"]}
     dry = (await post_json(api, url, {"ctx_size": 3072, "dry_run": True})).json()
-    assert dry["saved"] == {"context_len": 3072} and dry["resolved_ctx_size"] == 3072
+    # Answered in both names: Lemonade's clients read ctx_size.
+    assert dry["saved"] == {"context_len": 3072, "ctx_size": 3072} and dry["resolved_ctx_size"] == 3072
+    assert dry["effective"]["ctx_size"] == dry["effective"]["context_len"] == 3072
     auto = (await post_json(api, url, {"ctx_size": -1, "dry_run": True})).json()
     assert auto["saved"] == {} and auto["resolved_ctx_size"] == layers["effective"]["context_len"]
     both = await post_json(api, url, {"ctx_size": 3072, "context_len": 2048})
     assert both.status_code == 400 and "disagree" in both.json()["error"]["message"]
+
+
+async def test_options_take_a_context_as_an_integer_within_what_the_model_was_trained_for(api, pool):
+    url = f"/v1/models/{SMOL}/options"
+    trained = pool.models[SMOL].engine.trained_context_len
+    assert trained == 8192  # SmolLM2-135M's GGUF
+    for bad in (
+        {"ctx_size": "2048"},
+        {"context_len": "2048"},
+        {"ctx_size": 18446744073709551615},
+        {"context_len": trained + 1},
+        {"context_len": 100},
+        {"slots": "2"},
+        {"temperature": "0.5"},
+    ):
+        refused = await post_json(api, url, bad | {"dry_run": True})
+        assert refused.status_code == 400, (bad, refused.content)
+    assert "trained for" in (await post_json(api, url, {"context_len": trained + 1})).json()["error"]["message"]
+    assert (await api.get(url)).json()["saved"] == {}
+    # Lemonade's clients echo the model's name in the body: the path's model is taken, another refused.
+    echo = await post_json(api, url, {"model_name": SMOL, "ctx_size": trained, "dry_run": True})
+    assert echo.status_code == 200 and echo.json()["saved"]["context_len"] == trained
+    other = await post_json(api, url, {"model_name": QWEN, "ctx_size": 2048, "dry_run": True})
+    assert other.status_code == 400 and other.json()["error"]["param"] == "model_name"
+    sampled = await post_json(api, url, {"temperature": 1, "dry_run": True})
+    assert sampled.status_code == 200 and sampled.json()["saved"] == {"temperature": 1.0}
+
+
+async def test_load_applies_the_context_asked_smaller_or_larger_than_the_configured_one(api, pool):
+    configured = pool.models[SMOL].config.context_len
+    assert configured == 2048  # tests/hypnos.test.toml
+    engine = pool.models[SMOL].engine
+    for asked in (1024, 8192, 1024):
+        load = await post_json(api, "/api/v1/load", {"model_name": SMOL, "ctx_size": asked})
+        assert load.status_code == 200, load.content
+        assert engine.context_len == asked
+        assert loaded((await api.get(HEALTH)).json(), SMOL)["recipe_options"]["ctx_size"] == asked
+    # After an unload the asked context is applied again, not the configured one.
+    assert (await post_json(api, "/api/v1/unload", {"model_name": SMOL})).status_code == 200
+    assert (await post_json(api, "/api/v1/load", {"model_name": SMOL, "ctx_size": 1024})).status_code == 200
+    assert engine.context_len == 1024
+    # Without ctx_size: the model's own; beyond what it was trained for: refused, nothing changed.
+    assert (await post_json(api, "/api/v1/load", {"model_name": SMOL, "ctx_size": -1})).status_code == 200
+    assert engine.context_len == configured
+    beyond = await post_json(api, "/api/v1/load", {"model_name": SMOL, "ctx_size": 16384})
+    assert beyond.status_code == 400 and "trained for" in beyond.json()["error"]["message"], beyond.content
+    assert engine.context_len == configured
 
 
 async def test_load_with_save_options_keeps_the_context_for_later_loads(api, pool):

@@ -614,6 +614,22 @@ async def test_a_pull_streams_ollamas_progress_and_the_model_joins_the_pool(api,
     assert again.status_code == 404
 
 
+async def test_lemonades_delete_removes_a_pulled_model_and_its_file(api, pulling, hub):
+    """POST /api/v1/delete (Lemonade's test_007 and test_008 call it before their pull): Ollama's
+    delete in Lemonade's answer."""
+    assert (await pull(api, PULLED, stream=False)).status_code == 200
+    assert (pulling / "smol-pulled.gguf").exists()
+    deleted = await post_json(api, "/api/v1/delete", {"model_name": PULLED})
+    assert deleted.status_code == 200, deleted.content
+    assert deleted.json() == {"status": "success", "message": f"Deleted model: {PULLED}"}
+    assert not (pulling / "smol-pulled.gguf").exists()
+    assert PULLED not in {m.id for m in pool.models()}
+    again = await post_json(api, "/api/v1/delete", {"model_name": PULLED})
+    assert again.status_code == 404 and again.json()["error"]["code"] == "model_not_found", again.content
+    nameless = await post_json(api, "/api/v1/delete", {})
+    assert nameless.status_code == 400 and nameless.json()["error"]["param"] == "model_name"
+
+
 async def test_a_pull_without_stream_answers_success_and_a_second_pull_fetches_nothing(api, pulling, hub, smol_bytes):
     response = await pull(api, f"{PULLED}:q4_1", stream=False)
     assert response.status_code == 200 and response.json() == {"status": "success"}

@@ -59,3 +59,29 @@ def test_it_writes_sizes_durations_and_aligned_tables():
         "smollm2-135m  1 vram",
         "x             3 disk",
     ]
+
+
+def test_load_waits_for_a_move_the_server_answered_202_until_the_model_is_there(monkeypatch, capsys):
+    """POST /v1/memory/tier answers 202 when the move outlasts request_timeout_secs (it goes on):
+    `hypnos load` then polls GET /v1/memory/status until the model is in its tier."""
+    from hypnos_cli import commands
+    from hypnos_cli.client import Server
+
+    calls: list[str] = []
+    tiers = iter(["tier2_pinned_ram", "tier2_pinned_ram", "tier1_gpu_vram"])
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(f"{request.method} {request.url.path}")
+        if request.url.path == "/v1/memory/tier":
+            moving = {"model": "m", "target_tier": "tier1_gpu_vram", "status": "moving", "message": "..."}
+            return httpx.Response(202, json=moving, headers={"Location": "/v1/memory/status"})
+        placement = {"vram_weight_bytes": 1 << 20, "allocated_context_len": 2048}
+        return httpx.Response(200, json={"models": [{"id": "m", "current_tier": next(tiers), "placement": placement}]})
+
+    monkeypatch.setattr(commands, "MOVE_POLL_SECS", 0.0)
+    server = Server("http://h:1", None)
+    server.http = httpx.Client(base_url="http://h:1", transport=httpx.MockTransport(answer))
+    args = build_parser().parse_args(["load", "m"])
+    assert commands.do_load(server, args) == 0
+    assert calls == ["POST /v1/memory/tier"] + ["GET /v1/memory/status"] * 3
+    assert "m is in tier 1 vram (1.0 MiB of weights in VRAM, context 2048)" in capsys.readouterr().out

@@ -53,14 +53,32 @@ async def test_within_times_out_and_passes_results_through():
         await within(asyncio.sleep(5), 0.01)
 
 
-async def test_a_stalled_engine_is_a_504_and_aborted():
-    call = Call()
+async def test_an_engine_stalled_after_its_first_event_is_a_504_and_aborted():
+    call, seen = Call(), []
     call.stall_timeout = 0.05
+    call.queue.put_nowait(Delta(text="a"))
     from hypnos_site.errors import EngineTimeout
 
     with pytest.raises(EngineTimeout):
-        await consume(call, [])
-    assert call.aborted
+        await consume(call, seen)
+    assert call.aborted and [type(e).__name__ for e in seen] == ["Delta"]
+
+
+async def test_the_wait_for_the_first_event_is_not_the_stall_limit():
+    """The prompt's evaluation may take longer than request_timeout_secs (spec §4: it bounds the
+    time to the headers; a stream's body runs as long as max_tokens takes)."""
+    call, seen = Call(), []
+    call.stall_timeout = 0.05
+
+    async def engine() -> None:
+        await asyncio.sleep(0.5)  # ten times the stall limit before the first token
+        call.queue.put_nowait(Delta(text="a"))
+        call.queue.put_nowait(Done())
+
+    feeder = asyncio.create_task(engine())
+    await within(consume(call, seen), 30)
+    await feeder
+    assert [type(e).__name__ for e in seen] == ["Delta", "Done"] and not call.aborted
 
 
 async def test_the_events_end_at_done():

@@ -111,14 +111,23 @@ class Candidate:
         return f"{self.entry.id}:{self.variant.quant}"
 
     def serves(self, role: str) -> bool:
-        modality = ROLE_MODALITY[role]
-        return modality == self.entry.modality or modality in self.entry.additional_modalities
+        return entry_serves(self.entry, role)
 
     def context_len(self, reduced: bool) -> int:
         context = self.variant.context_len
         if self.footprint.trained_context_len:
             context = min(context, self.footprint.trained_context_len)
         return min(context, REDUCED_CONTEXT) if reduced else context
+
+
+def entry_serves(entry: CatalogEntry, role: str) -> bool:
+    """Whether the entry can play `role`: its modality is the role's, primary or additional. An
+    upscaler (capability `upscale`, /v1/images/upscale) is an image model that makes no image of
+    its own, so it plays no `images` role: the worker refuses it a generation."""
+    if role == "images" and "upscale" in entry.capabilities:
+        return False
+    modality = ROLE_MODALITY[role]
+    return modality == entry.modality or modality in entry.additional_modalities
 
 
 def variant_footprint(
@@ -499,8 +508,7 @@ def recommend(
 def _unserved(catalog: Catalog, role: str, gpu: bool) -> str:
     """Why no candidate serves `role`: no entry does, only GPU entries do (on a machine without
     one), or the entries that do were left out (no estimate, no weights for this platform)."""
-    modality = ROLE_MODALITY[role]
-    serving = [e for e in catalog.models if modality == e.modality or modality in e.additional_modalities]
+    serving = [e for e in catalog.models if entry_serves(e, role)]
     if not serving:
         return "no catalog model serves it"
     if not gpu and all(e.gpu for e in serving):

@@ -7,7 +7,7 @@ import tomllib
 import pytest
 from django.core.management import call_command
 
-from hypnos_site.config import ModelConfig
+from hypnos_site.config import DEFAULT_MODELS, ModelConfig
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -30,6 +30,20 @@ async def test_the_catalog_lists_the_tested_models_and_what_is_installed(api):
     [whisper] = entries["whisper-tiny.en"]["variants"][0]["files"]
     assert whisper["present"] is True and whisper["outdated"] is False and whisper["entry"] == "model.bin"
     assert smol["gpu"] is False
+
+
+async def test_every_model_of_the_default_lineup_is_listed_as_configured_and_installed(api):
+    # The suite's config runs the default lineup from the files ./run.sh setup placed: each is a
+    # catalog entry whose variant it runs, with the sizes the catalog lists (a folder: its files').
+    entries = {e["id"]: e for e in (await api.get("/v1/models/catalog")).json()["data"]}
+    for model in DEFAULT_MODELS:
+        entry = entries[model.id]
+        [variant] = entry["variants"]
+        assert entry["lineup"] is True and entry["configured"] is True, model.id
+        assert entry["configured_quant"] == variant["quant"], model.id
+        assert variant["installed"] is True and variant["outdated"] is False, model.id
+    documents = (await api.get("/v1/models/catalog?modality=document_conversion")).json()["data"]
+    assert [e["id"] for e in documents] == ["docling"]
 
 
 async def test_the_gpu_lineup_is_listed_with_its_hub_files_and_projectors(api):

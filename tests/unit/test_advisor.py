@@ -56,16 +56,16 @@ def test_a_24_gib_gpu_gets_the_largest_gpu_chat_model_with_whisper_and_kokoro(no
     advice = recommend(CATALOG, ["chat", "voice", "documents"], GPU_24G, no_files)
     answer = advice.as_dict()
     models = by_id(advice)
-    assert answer["specs"] == ["qwen3-32b:Q4_K_M", "whisper-large-v3-turbo:fp16", "kokoro-82m:fp32"]
-    assert all(entry_of(model_id).gpu for model_id in models)
+    assert answer["specs"] == ["qwen3-32b:Q4_K_M", "whisper-large-v3-turbo:fp16", "kokoro-82m:fp32", "docling:fp32"]
+    # The GPU lineup has no document converter: the CPU lineup's docling converts documents.
+    assert [model_id for model_id in models if not entry_of(model_id).gpu] == ["docling"]
+    assert models["docling"]["serves"] == ["documents"] and models["docling"]["priority"] == "low"
     assert models["qwen3-32b"]["serves"] == ["chat", "voice"] and models["qwen3-32b"]["context_len"] == 8192
     assert models["whisper-large-v3-turbo"]["serves"] == ["voice"] and models["kokoro-82m"]["serves"] == ["voice"]
     assert all(m["initial_tier"] == "tier1_gpu_vram" and not m["runs_on_cpu"] for m in models.values())
     assert answer["budgets"] == {"tier1_bytes": 24 * GIB - 512 * MIB, "tier2_bytes": 32 * GIB, "unified_memory": False}
     assert_fits(advice)
-    assert answer["warnings"] == [
-        "documents: document_conversion: no catalog model serves it; the lineup leaves it out."
-    ]
+    assert answer["warnings"] == []
     config = config_of(advice)
     chat_ = next(m for m in config.models if m.id == "qwen3-32b")
     assert chat_.speech_to_text_model == "whisper-large-v3-turbo" and chat_.priority == "high"
@@ -133,10 +133,9 @@ def test_a_machine_without_a_gpu_is_never_offered_the_gpu_lineup(no_files, machi
     advice = recommend(CATALOG, EVERY_NEED, machine, no_files)
     models = by_id(advice)
     assert not any(entry_of(model_id).gpu for model_id in models)
-    assert set(models) == {"qwen2.5-coder-1.5b", "all-minilm-l6-v2", "whisper-tiny.en", "piper-joe"}
+    assert set(models) == {"qwen2.5-coder-1.5b", "all-minilm-l6-v2", "whisper-tiny.en", "piper-joe", "dcgan-faces"}
     assert advice.warnings == [
         "vision: vision: its catalog models are for a machine with a GPU; the lineup leaves it out.",
-        "images: image_generation: its catalog models are for a machine with a GPU; the lineup leaves it out.",
     ]
 
 
@@ -158,16 +157,30 @@ def test_a_machine_too_small_for_any_chat_model_gets_no_lineup(no_files):
         recommend(CATALOG, ["chat"], Machine(vram_bytes=0, ram_bytes=256 * MIB, unified_memory=False), no_files)
 
 
-def test_needs_that_no_catalog_model_serves_alone_get_no_lineup(no_files):
-    # Documents have no catalog model; images only GPU ones.
+def test_needs_that_only_gpu_models_serve_get_no_lineup_without_a_gpu(no_files):
     with pytest.raises(NoLineup, match="No catalog model serves any of the needs"):
-        recommend(CATALOG, ["documents", "images"], LAPTOP, no_files)
+        recommend(CATALOG, ["vision"], LAPTOP, no_files)
 
 
-def test_a_gpu_gets_an_image_model_where_documents_have_none(no_files):
+def test_a_laptop_converts_documents_and_makes_images_with_the_default_lineups_models(no_files):
+    advice = recommend(CATALOG, ["documents", "images"], LAPTOP, no_files)
+    # The upscaler (realesrgan-x4) is an image model too, but makes no image of its own.
+    assert advice.as_dict()["specs"] == ["docling:fp32", "dcgan-faces:fp32"] and advice.warnings == []
+    docling, dcgan = config_of(advice).models
+    assert (docling.engine, docling.weights_path) == ("docling", "rapidocr-pp-ocrv4")
+    assert docling.package == "rapidocr-onnxruntime"
+    assert dcgan.image_capabilities == ["ignores_prompt"]
+
+
+def test_a_gpu_gets_the_gpu_image_model_and_docling(no_files):
     advice = recommend(CATALOG, ["documents", "images"], GPU_24G, no_files)
-    assert advice.as_dict()["specs"] == ["flux2-klein-4b:bf16"]
-    assert advice.warnings == ["documents: document_conversion: no catalog model serves it; the lineup leaves it out."]
+    assert advice.as_dict()["specs"] == ["flux2-klein-4b:bf16", "docling:fp32"] and advice.warnings == []
+
+
+def test_an_upscaler_alone_serves_no_images_need(no_files):
+    upscaler_only = CATALOG.model_copy(update={"models": [e for e in CATALOG.models if e.id == "realesrgan-x4"]})
+    with pytest.raises(NoLineup, match="No catalog model serves any of the needs"):
+        recommend(upscaler_only, ["images"], LAPTOP, no_files)
 
 
 def test_entities_go_to_the_lineups_chat_model_rather_than_a_gliner_download(no_files):

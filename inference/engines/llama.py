@@ -7,6 +7,7 @@ import json
 import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -621,6 +622,13 @@ class LlamaEngine(Engine):
         # The context so far: generation restarts from it (re-evaluating nothing but what is
         # new) after the server wrote the end of a thinking block into it.
         context = list(tokens)
+        # A prompt with images was evaluated by the projector, its placeholders are not tokens.
+        if not work.images:
+            for _ in oom_as_typed(_prefill(llm, context, cancel)):
+                pass
+            if cancel.is_set():
+                waited = (time.perf_counter() - started) * 1000
+                return ChatResult("cancelled", len(tokens), 0, cached, waited, 0.0, waited)
         while True:
             generator = llm.generate(
                 context,
@@ -730,6 +738,28 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[llama_types.ChatComp
 
 # The router's instructions and generic examples, each carrying its own function list, so the
 # model learns the task and not the tools (measured: 10 of 10 right on Qwen2.5-Coder-1.5B).
+def _prefill(llm: llama_cpp.Llama, tokens: list[int], cancel: threading.Event) -> Iterator[int]:
+    """Evaluate the prompt's uncached tokens a batch at a time, looking at `cancel` between
+    batches, up to the last batch, which llm.generate then evaluates itself (it finds the rest
+    cached). llama-cpp-python's generate evaluates the whole prompt in one call that nothing
+    stops: a long prompt held the model for minutes after its client had gone. The batches are
+    the ones generate's own eval would make, so the logits are the same bits as before."""
+    same = 0
+    for a, b in zip(llm._input_ids[: llm.n_tokens], tokens[:-1], strict=False):
+        if a != b:
+            break
+        same += 1
+    full = (len(tokens) - same - 1) // llm.n_batch
+    if full == 0:
+        return
+    llm.n_tokens = same
+    for start in range(same, same + full * llm.n_batch, llm.n_batch):
+        if cancel.is_set():
+            return
+        llm.eval(tokens[start : start + llm.n_batch])
+        yield start
+
+
 @dataclass(frozen=True)
 class _KeptSequence:
     """The single-slot context's sequence 0 (its KV cells and tokens) set aside, so that the

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hypnos_site.config import LimitsConfig, ModelConfig
-from hypnos_site.errors import InvalidRequest
+from hypnos_site.errors import Cancelled, InvalidRequest
 from inference.engines.base import ChatWork
 from inference.entities import CANDIDATES_PER_WORD, Span, best_candidates, select_spans
 from inference.wire import Done, EntitiesFound, EntityWork, Started, Usage
@@ -190,6 +190,7 @@ class ChatExtractor:
         moving the model cost (None when every text is blank: nothing asked the model)."""
         switch: TierSwitch | None = None
         for text in self.work.input:
+            self.check_cancel()
             if not text.strip():
                 self.prepared.append(None)
                 continue
@@ -214,7 +215,14 @@ class ChatExtractor:
         # An answer cut short still gives the entities it completed (answer_entities).
         return ANSWER_TOKENS_BASE + len(text) // ANSWER_CHARS_PER_TOKEN
 
+    def check_cancel(self) -> None:
+        """Between two texts: a request whose client left (or whose deadline passed) stops here,
+        not after its thousandth text (once a core stayed busy 711 s after the client left)."""
+        if self.cancel.is_set():
+            raise Cancelled("the request was cancelled")
+
     def extract(self, index: int) -> list[Span]:
+        self.check_cancel()
         chat = self.prepared[index]
         if chat is None:
             return []

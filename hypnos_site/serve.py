@@ -42,6 +42,10 @@ class DrainingServer(Server):
 
     def listen_success(self, port: Any) -> None:
         self.ports.append(port)
+        # A WebSocket message over websocket_max_message_size (1 MiB): close with 1009 (message
+        # too big) and a closing handshake, as RFC 6455 says, instead of autobahn's default of
+        # dropping the TCP connection, which a client sees as a network error with no reason.
+        self.ws_factory.setProtocolOptions(failByDrop=False)
         super().listen_success(port)
 
     def _sigterm(self, number: int, frame: FrameType | None = None) -> None:

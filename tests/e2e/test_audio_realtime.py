@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosedError, InvalidStatus
 from websockets.sync.client import connect
 
 from tests.e2e.conftest import Server
@@ -97,3 +97,18 @@ def test_an_unknown_websocket_path_is_refused_at_the_handshake_not_a_500(server:
     assert refused.value.response.status_code == 403
     # The server is unharmed: the next request is answered.
     assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+
+
+def test_a_message_over_a_mebibyte_closes_the_socket_with_1009(server: Server):
+    """Once it was dropped without a close frame (autobahn fails a connection by dropping it)."""
+    url = server.base_url.replace("http://", "ws://") + "/v1/realtime?intent=transcription&api_key=unused"
+    with connect(url, max_size=None) as ws:
+        assert json.loads(ws.recv(timeout=10))["type"] == "transcription_session.created"
+        audio = base64.b64encode(bytes(800_000)).decode()  # 1.07 MB of JSON
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": audio}))
+        with pytest.raises(ConnectionClosedError) as closed:
+            ws.recv(timeout=30)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009, closed.value
+    # The server goes on: the next socket opens.
+    with connect(url) as ws:
+        assert json.loads(ws.recv(timeout=10))["type"] == "transcription_session.created"

@@ -20,6 +20,7 @@ from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication
 from rest_framework.permissions import SAFE_METHODS, BasePermission
 
+from hypnos_site.errors import DATABASE_ERRORS
 from models_registry.live_pool import pool
 from models_registry.models import ApiKey, hash_key, split_models
 
@@ -86,12 +87,21 @@ class _DbKeyPresence:
     def __init__(self) -> None:
         self._checked_at = float("-inf")
         self._present = False
+        self._read = False
 
     def __call__(self) -> bool:
         now = time.monotonic()
         if now - self._checked_at > DB_KEYS_TTL_SECS:
-            self._present = ApiKey.objects.filter(active=True).exists()
-            self._checked_at = now
+            try:
+                self._present = ApiKey.objects.filter(active=True).exists()
+            except DATABASE_ERRORS:
+                # The database is down. It held no key at its last look: a server without keys
+                # stays open, as its requests need no key lookup (every call was a 503 in the
+                # distributed deployment). Else the key's own lookup answers the 503.
+                if self._read and not self._present:
+                    return False
+                raise
+            self._checked_at, self._read = now, True
         return self._present
 
     def known(self) -> bool | None:

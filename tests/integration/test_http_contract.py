@@ -7,6 +7,7 @@ import threading
 
 import pytest
 from django.core.management import call_command
+from django.test import AsyncClient
 
 from hypnos_site.config import HypnosConfig
 from inference.engines.base import ChatResult, Engine
@@ -147,6 +148,41 @@ async def test_a_database_key_authenticates(api):
     try:
         assert (await post_json(api, URL, CHAT)).status_code == 401
         assert (await post_json(api, URL, CHAT, authorization=f"Bearer {key}")).status_code == 200
+    finally:
+        await sync_to_async(ApiKey.objects.all().delete)()
+        db_keys_present.invalidate()
+
+
+async def test_without_keys_a_database_outage_leaves_the_server_open(api, monkeypatch):
+    """No key in the config, none in the database at its last look: while the database is down
+    a request needs no key lookup, so it is served (every call was a 503, issue 35). Once a
+    key was seen there, the outage is a 503: the key could not be checked."""
+    from asgiref.sync import sync_to_async
+    from django.db import OperationalError
+
+    from models_registry.models import ApiKey
+
+    db_keys_present.invalidate()
+    assert (await post_json(api, URL, CHAT)).status_code == 200  # the database read: no key
+
+    def down(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OperationalError("connection refused")
+
+    with monkeypatch.context() as outage:
+        outage.setattr(ApiKey.objects, "filter", down)
+        db_keys_present._checked_at = float("-inf")  # its last look is past its few seconds
+        served = await post_json(api, URL, CHAT)
+        assert served.status_code == 200, served.content
+    await sync_to_async(ApiKey.create_key)("team-c")
+    db_keys_present.invalidate()
+    try:
+        assert (await post_json(api, URL, CHAT)).status_code == 401  # the read: a key now
+        with monkeypatch.context() as outage:
+            outage.setattr(ApiKey.objects, "filter", down)
+            db_keys_present._checked_at = float("-inf")
+            # As a server answers it (the test client re-raises what reaches handler500).
+            refused = await post_json(AsyncClient(raise_request_exception=False), URL, CHAT)
+            assert refused.status_code == 503 and error_of(refused)["code"] == "database_unavailable"
     finally:
         await sync_to_async(ApiKey.objects.all().delete)()
         db_keys_present.invalidate()

@@ -421,6 +421,12 @@ ROUTES = [
         bodyless=("GET", "HEAD", "OPTIONS"),
     ),
     Route("^api/", ("GET", "POST", "DELETE"), path=compat.ollama_unknown_paths, errors=OLLAMA),
+    # Lemonade's delete (Ollama's, in the OpenAI envelope), last with it: it acts on the victim.
+    Route(
+        "api/v1/delete",
+        ("POST",),
+        st.fixed_dictionaries({}, optional={"model_name": compat.delete_names, "model": compat.delete_names}),
+    ),
 ]
 UNKNOWN_TOP_LEVEL = Route(
     "<top-level 404>", ("GET", "POST"), path=st.sampled_from(["nope", "v2/models", "v1", "static/x", "%ff", "apis"])

@@ -166,6 +166,11 @@ class LimitsConfig(_Strict):
     # Decoded size caps, read from the file's header before anything is decoded: a few KB of
     # PNG can declare 13000x13000 pixels, a few hundred KB of FLAC an hour of samples.
     max_image_pixels: int = Field(default=4096 * 4096, ge=1)
+    # A document page without a text layer is rendered for OCR at 180 dpi, or at the lower
+    # resolution that keeps it within this many pixels (a 14,400 pt square page at 180 dpi is
+    # 1.3 Gpx). 4096x4096: 5x an A4 page at 180 dpi (1490x2105), 48 MB of BGR, and 4x what the
+    # OCR reads (rapidocr shrinks a page to 2000 px on its longer side before it reads).
+    max_page_pixels: int = Field(default=4096 * 4096, ge=1)
     max_audio_secs: float = Field(default=1800, gt=0)
     # The whole remote fetch (image and document URLs): resolution, redirects and body.
     remote_fetch_timeout_secs: float = Field(default=10, gt=0)

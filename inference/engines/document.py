@@ -13,23 +13,32 @@ drives docling's backends and pipelines itself:
 - Images: OCR of the image; the image itself is the page's picture when no text is read.
 
 Hostile input is refused in `open_document` before any parser sees more than the header: the
-bytes say the format, zips are checked by their directory, PDFs by pdfium."""
+bytes say the format, zips are checked by their directory and then inflated here against hard
+caps, PDFs are opened by pdfium, images (also those inside zips) checked against
+limits.max_image_pixels from their headers. What docling cannot be kept from holding is bounded
+too: a page is rendered for OCR at most at limits.max_page_pixels, and a PDF's bitmaps, which
+docling-parse decodes whole for pictures, are checked by pdfium first."""
 
 from __future__ import annotations
 
 import io
+import math
+import re
+import struct
 import threading
 import time
+import warnings
 import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from docling_core.types.doc import DoclingDocument, PictureItem
 from PIL import Image
 
-from hypnos_site.config import ModelConfig
+from hypnos_site.config import LimitsConfig, ModelConfig
 from hypnos_site.errors import Cancelled, HypnosError, InvalidRequest, ModelNotAvailable
 from inference.engines.base import Engine, LoadPhases, WarmCopy, drop_page_cache
 from inference.engines.ocr import MODEL_FILES, PageReader
@@ -41,14 +50,28 @@ from memory.planner import Footprint, footprint_from_files
 # PP-OCR detector's activations on it).
 WORKSPACE_BYTES = 224 << 20
 # Pages without a text layer are rendered at this many pixels per PDF point (180 dpi) for OCR:
-# 12 pt print comes out ~30 px tall, where PP-OCRv4 reads best.
+# 12 pt print comes out ~30 px tall, where PP-OCRv4 reads best. A larger page is rendered at
+# less, within limits.max_page_pixels (ocr_scale).
 OCR_SCALE = 2.5
-# A zip (DOCX/PPTX/XLSX) is refused when its directory declares more than this in all...
-MAX_UNZIPPED_BYTES = 1 << 30
-# ...or a member over 1 MiB that inflates more than this ratio (XML compresses ~10-30x).
+# A zip (DOCX/PPTX/XLSX) may inflate to at most this much in all: its directory's sizes are
+# checked against it before anything is inflated, then each member is inflated and counted
+# (check_zip). python-docx and python-pptx hold every part in memory; a real document's media
+# hardly compress, so they inflate to about the upload (limits.max_document_bytes, 100 MiB).
+MAX_UNZIPPED_BYTES = 256 << 20
+# A member over 1 MiB may inflate at most this ratio (XML compresses ~10-30x).
 MAX_ZIP_RATIO = 200
-# A member's data is checked in pieces of this many inflated bytes (check_zip).
+# What the XML parts may hold, counted as they are inflated. docling 2.143 makes each paragraph
+# an item of ~4 KB, empty or not (RSS, measured: a 38 KB DOCX of 200,000 empty paragraphs took
+# 750 MB and 148 s), ~1.3 KB of every other element (an XLSX cell), ~5.5x the bytes of text.
+# Together at most ~400 MB; a Word document of some 300 pages or a sheet of ~75,000 cells fits.
+MAX_PARAGRAPHS = 50_000
+MAX_MARKUP_ELEMENTS = 200_000
+MAX_MARKUP_BYTES = 64 << 20
+# A member's data is inflated in pieces of at most this many bytes (check_zip).
 ZIP_CHECK_CHUNK = 1 << 16
+# A start tag, and a paragraph's: w:p, a:p, the local name p under any prefix (of at most 64 bytes).
+START_TAG = re.compile(rb"<[^/?!]")
+PARAGRAPH_TAG = re.compile(rb"<(?:[^\s<>/?!:]{1,64}:)?p[\s/>]")
 ZIP_FORMATS = {"word/document.xml": "docx", "ppt/presentation.xml": "pptx", "xl/workbook.xml": "xlsx"}
 TEXT_EXTENSIONS = {".md": "md", ".markdown": "md", ".txt": "md", ".csv": "csv", ".html": "html", ".htm": "html"}
 IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"II*\x00", b"MM\x00*", b"BM", b"GIF8")
@@ -166,10 +189,10 @@ class DoclingEngine(Engine):
         if fmt == "pdf":
             doc = _open_pdf(path, name)
         elif fmt == "image":
-            doc = _open_image(path, name)
+            doc = _open_image(path, name, _limits().max_image_pixels)
         else:
             if fmt in ZIP_FORMATS.values():
-                check_zip(path)
+                check_zip(path, _limits().max_image_pixels)
             doc = _open_declarative(path, name, fmt)
         if doc.page_count > max_pages:
             self.close_document(doc)
@@ -217,6 +240,8 @@ class DoclingEngine(Engine):
     ) -> Iterator[tuple[int, DoclingDocument, bool, float]]:
         from docling_core.types.doc.page import TextCellUnit
 
+        if want_pictures:
+            _check_pdf_images(doc, pages, _limits().max_image_pixels)
         backend = _pdf_backend(doc, min(pages), max(pages), want_pictures, self.n_threads)
         parsed = _in_page_order(backend.iter_pages(), pages)
         try:
@@ -244,8 +269,11 @@ class DoclingEngine(Engine):
 
     def _ocr_pdf_page(self, doc: OpenedDocument, page_no: int) -> list[Line]:
         assert self._reader is not None
-        image = doc.pdfium[page_no - 1].render(scale=OCR_SCALE).to_pil()
-        return self._reader.read(image, OCR_SCALE)
+        page = doc.pdfium[page_no - 1]
+        scale = ocr_scale(page.get_width(), page.get_height(), _limits().max_page_pixels)
+        # pdfium renders BGR, the order PP-OCR takes: read in place, not copied through PIL.
+        bitmap = page.render(scale=scale)
+        return self._reader.read_pixels(bitmap.to_numpy(), scale)
 
     def _image_page(
         self, doc: OpenedDocument, ocr: bool, want_pictures: bool, cancel: threading.Event
@@ -322,34 +350,32 @@ def _text_format(head: bytes, filename: str | None) -> str:
     return TEXT_EXTENSIONS.get(extension, "md")
 
 
-def check_zip(path: Path) -> None:
-    """Refuse a zip bomb from its directory's declared sizes, before anything is inflated, then
-    check that the data holds to them. A directory can lie: zipfile stops a member at its
-    declared size, but a whole-member read inflates all of the member's compressed data first
-    (256 MiB for a 260 KB DOCX part declared as 2,000 bytes), so each member is read here in
-    small pieces, which bounds the memory, and its CRC checked."""
-    with zipfile.ZipFile(path) as archive:
-        members = archive.infolist()
-        _check_declared_sizes(members)
-        try:
-            for member in members:
+def check_zip(path: Path, max_image_pixels: int) -> None:
+    """Refuse a zip bomb before docling opens the archive (InvalidRequest naming `file`).
+
+    The directory's declared sizes are checked first, before anything is inflated. Then every
+    member is inflated here, ZIP_CHECK_CHUNK bytes at a time and counted, never trusting the
+    directory: zipfile stops a member at its declared size but inflates all of its data first
+    (+1.7 GB for a 1.5 MB DOCX whose 1.5 GiB part declares 308 bytes and their CRC). A member
+    that inflates past its declared size is refused at once, so the total inflated stays within
+    the declared total, itself within MAX_UNZIPPED_BYTES. The XML parts are counted against what
+    docling can hold (MAX_PARAGRAPHS, MAX_MARKUP_*), every other member's image header against
+    `max_image_pixels` (docling decodes every picture whole)."""
+    try:
+        with zipfile.ZipFile(path) as archive, open(path, "rb") as raw:
+            members = archive.infolist()
+            _check_declared_sizes(members)
+            markup = _MarkupCount()
+            binaries = [member for member in members if not _check_member_data(raw, member, markup)]
+            # The data now holds to the directory, so zipfile reads each member as declared.
+            for member in binaries:
                 with archive.open(member) as data:
-                    while data.read(ZIP_CHECK_CHUNK):
-                        pass
-        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
-            raise InvalidRequest(
-                f"The archive's data does not match its directory ({exc}): a damaged file or a zip bomb.",
-                param="file",
-            ) from exc
+                    _check_pixels(data, max_image_pixels, f"The archive member {member.filename}")
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error) as exc:
+        raise _mismatch(str(exc)) from exc
 
 
 def _check_declared_sizes(members: list[zipfile.ZipInfo]) -> None:
-    total = sum(m.file_size for m in members)
-    if total > MAX_UNZIPPED_BYTES:
-        raise InvalidRequest(
-            f"The archive inflates to {total >> 20} MiB, more than the {MAX_UNZIPPED_BYTES >> 20} MiB allowed.",
-            param="file",
-        )
     for member in members:
         ratio = member.file_size / max(member.compress_size, 1)
         if member.file_size > 1 << 20 and ratio > MAX_ZIP_RATIO:
@@ -358,6 +384,190 @@ def _check_declared_sizes(members: list[zipfile.ZipInfo]) -> None:
                 f"at most {MAX_ZIP_RATIO}x is allowed.",
                 param="file",
             )
+    total = sum(m.file_size for m in members)
+    if total > MAX_UNZIPPED_BYTES:
+        raise InvalidRequest(
+            f"The archive inflates to {total >> 20} MiB, more than the {MAX_UNZIPPED_BYTES >> 20} MiB allowed.",
+            param="file",
+        )
+
+
+def _check_member_data(raw: BinaryIO, member: zipfile.ZipInfo, markup: _MarkupCount) -> bool:
+    """Inflate one member against its declared size and CRC; True when it is XML (counted)."""
+    if member.flag_bits & 1:
+        raise InvalidRequest(f"The archive member {member.filename} is encrypted.", param="file")
+    size = crc = 0
+    markup.begin()
+    for piece in _inflated(raw, member):
+        size += len(piece)
+        if size > member.file_size:
+            raise _mismatch(f"{member.filename} inflates past the {member.file_size} bytes it declares")
+        crc = zlib.crc32(piece, crc)
+        markup.feed(piece)
+    if size != member.file_size:
+        raise _mismatch(f"{member.filename} inflates to {size} bytes, not the {member.file_size} it declares")
+    if crc != member.CRC:
+        raise _mismatch(f"{member.filename} fails its CRC")
+    return markup.end()
+
+
+def _inflated(raw: BinaryIO, member: zipfile.ZipInfo) -> Iterator[bytes]:
+    """The member's data as zipfile inflates it (all of its compressed bytes, whatever size the
+    directory declares), in pieces of at most ZIP_CHECK_CHUNK bytes."""
+    raw.seek(member.header_offset)
+    header = raw.read(30)
+    if len(header) < 30 or header[:4] != b"PK\x03\x04":
+        raise zipfile.BadZipFile(f"{member.filename} has no local header")
+    name_length, extra_length = struct.unpack_from("<HH", header, 26)
+    raw.seek(member.header_offset + 30 + name_length + extra_length)
+    left = member.compress_size
+    if member.compress_type == zipfile.ZIP_STORED:
+        while left > 0 and (piece := raw.read(min(left, ZIP_CHECK_CHUNK))):
+            left -= len(piece)
+            yield piece
+        return
+    if member.compress_type != zipfile.ZIP_DEFLATED:
+        raise InvalidRequest(
+            f"The archive member {member.filename} uses compression method {member.compress_type}; "
+            "office documents are deflated or stored.",
+            param="file",
+        )
+    inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+    while not inflater.eof:
+        data = inflater.unconsumed_tail
+        if not data and left > 0:
+            data = raw.read(min(left, ZIP_CHECK_CHUNK))
+            left -= len(data)
+        piece = inflater.decompress(data, ZIP_CHECK_CHUNK)
+        if piece:
+            yield piece
+        elif not data:
+            return  # the data ends before the deflate stream does
+
+
+def _mismatch(detail: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"The archive's data does not match its directory ({detail}): a damaged file or a zip bomb.", param="file"
+    )
+
+
+class _MarkupCount:
+    """What an archive's XML parts hold, counted as they are inflated, against the caps: bytes,
+    elements (start tags) and paragraphs. A part is XML when its first byte past whitespace,
+    byte order marks and NULs is '<' (lxml reads nothing else); a UTF-16 or UTF-32 part is
+    counted with its NUL bytes removed."""
+
+    def __init__(self) -> None:
+        self.bytes = self.elements = self.paragraphs = 0
+        self.begin()
+
+    def begin(self) -> None:
+        """Start on the next part."""
+        self._xml: bool | None = None
+        self._wide = False
+        self._carry = b""
+
+    def feed(self, piece: bytes) -> None:
+        if self._xml is None:
+            start = piece.lstrip(b"\x00\xef\xbb\xbf\xfe\xff \t\r\n")
+            if not start:
+                return
+            self._xml = start.startswith(b"<")
+            self._wide = b"\x00" in piece[:4] or piece.startswith((b"\xff\xfe", b"\xfe\xff"))
+        if not self._xml:
+            return
+        self.bytes += len(piece)
+        data = self._carry + (piece.replace(b"\x00", b"") if self._wide else piece)
+        cut = data.rfind(b"<")
+        if cut < 0:
+            self._carry = b""
+        else:
+            # The last tag may go on in the next piece; its name is in its first 80 bytes.
+            self._count(data[:cut])
+            self._carry = data[cut : cut + 80]
+        self._check()
+
+    def end(self) -> bool:
+        """Count what the part's last piece left; True when the part was XML."""
+        self._count(self._carry)
+        self._check()
+        return bool(self._xml)
+
+    def _count(self, data: bytes) -> None:
+        self.elements += len(START_TAG.findall(data))
+        self.paragraphs += len(PARAGRAPH_TAG.findall(data))
+
+    def _check(self) -> None:
+        held = "the most a conversion may hold in memory."
+        if self.paragraphs > MAX_PARAGRAPHS:
+            raise InvalidRequest(f"The document has more than {MAX_PARAGRAPHS} paragraphs, {held}", param="file")
+        if self.elements > MAX_MARKUP_ELEMENTS:
+            raise InvalidRequest(f"The document has more than {MAX_MARKUP_ELEMENTS} XML elements, {held}", param="file")
+        if self.bytes > MAX_MARKUP_BYTES:
+            raise InvalidRequest(f"The document's XML inflates past {MAX_MARKUP_BYTES >> 20} MiB, {held}", param="file")
+
+
+def _check_pixels(source: Any, max_pixels: int, what: str) -> None:
+    """Refuse an image that declares more than `max_pixels`, from its header (Image.open decodes
+    nothing; docling and the OCR decode it whole). What Pillow does not take for an image passes:
+    nothing decodes it as one either."""
+    try:
+        with warnings.catch_warnings():
+            # Pillow warns between Image.MAX_IMAGE_PIXELS and twice that; the check below refuses it.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(source) as image:
+                width, height = image.size
+    except Image.DecompressionBombError:
+        # Pillow's own cap (twice Image.MAX_IMAGE_PIXELS, set from the limit) refused it in open().
+        raise InvalidRequest(
+            f"{what} declares more pixels than limits.max_image_pixels allows ({max_pixels}).", param="file"
+        ) from None
+    except (OSError, SyntaxError, ValueError, EOFError):
+        return
+    if width * height > max_pixels:
+        raise _too_many_pixels(what, width, height, max_pixels)
+
+
+def _too_many_pixels(what: str, width: int, height: int, max_pixels: int) -> InvalidRequest:
+    return InvalidRequest(
+        f"{what} is {width}x{height} pixels, above limits.max_image_pixels ({max_pixels}).", param="file"
+    )
+
+
+def _check_pdf_images(doc: OpenedDocument, pages: list[int], max_pixels: int) -> None:
+    """Refuse an image of the pages above `max_pixels` from its dictionary (pdfium reads the
+    size without decoding; images inside forms too): docling-parse decodes every bitmap of the
+    pages it reads whole when pictures are wanted (a 98 KB PDF of one 10000 x 10000 grey image
+    took it 1.5 GB)."""
+    import pypdfium2
+
+    for page_no in pages:
+        page = doc.pdfium[page_no - 1]
+        try:
+            for image in page.get_objects(filter=[pypdfium2.raw.FPDF_PAGEOBJ_IMAGE]):
+                try:
+                    width, height = image.get_px_size()
+                except pypdfium2.PdfiumError:
+                    continue  # no size pdfium can read in its dictionary: left to docling-parse
+                if width * height > max_pixels:
+                    raise _too_many_pixels(f"An image on page {page_no}", width, height, max_pixels)
+        finally:
+            page.close()
+
+
+def ocr_scale(width_pt: float, height_pt: float, max_pixels: int) -> float:
+    """Pixels per point to render a page at for OCR: OCR_SCALE, less for a page that would pass
+    `max_pixels` (a 14,400 pt square page at OCR_SCALE is 1.3 Gpx, 4 GB of BGR)."""
+    return min(OCR_SCALE, math.sqrt(max_pixels / max(width_pt * height_pt, 1.0)))
+
+
+def _limits() -> LimitsConfig:
+    """This process's limits (the worker's settings.HYPNOS, which also set Image.MAX_IMAGE_PIXELS
+    at start-up), read per document, never at import."""
+    from django.conf import settings
+
+    limits: LimitsConfig = settings.HYPNOS.limits
+    return limits
 
 
 def _open_pdf(path: Path, name: str) -> OpenedDocument:
@@ -379,7 +589,8 @@ def _open_pdf(path: Path, name: str) -> OpenedDocument:
     return OpenedDocument("pdf", len(pdf), "native_pdf", path, name, pdfium=pdf, closers=[pdf.close])
 
 
-def _open_image(path: Path, name: str) -> OpenedDocument:
+def _open_image(path: Path, name: str, max_pixels: int) -> OpenedDocument:
+    _check_pixels(path, max_pixels, "The image")
     try:
         image = Image.open(path)
         image.load()

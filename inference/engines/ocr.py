@@ -40,8 +40,12 @@ class PageReader:
     def read(self, image: Image.Image, scale: float) -> list[Line]:
         """The text lines of `image`, boxes divided by `scale` (pixels per page unit)."""
         # rapidocr takes OpenCV's BGR channel order.
-        pixels = np.ascontiguousarray(np.asarray(image.convert("RGB"))[:, :, ::-1])
-        found, _ = self._ocr(pixels)
+        return self.read_pixels(np.asarray(image.convert("RGB"))[:, :, ::-1], scale)
+
+    def read_pixels(self, bgr: np.ndarray, scale: float) -> list[Line]:
+        """The text lines of an H x W x 3 BGR array (a page as pdfium renders it), boxes divided
+        by `scale`. rapidocr shrinks an image to 2000 px on its longer side before it reads."""
+        found, _ = self._ocr(np.ascontiguousarray(bgr))
         lines = []
         for points, text, score in found or []:
             if not text.strip() or float(score) < MIN_SCORE:

@@ -1,0 +1,306 @@
+"""Documents that cost the worker far more than their size (issue 35): a huge blank page, zip
+parts that inflate past what the directory declares or into more items than docling can hold,
+and pictures above limits.max_image_pixels. Each goes through the real route, Celery (eager)
+and the real docling engine; the worker runs in this process, so its memory is this process's
+RSS, sampled while the request runs. The documents are built here, a few KB to a few MB each,
+without ever holding the pixels or the inflated bytes they declare."""
+
+from __future__ import annotations
+
+import io
+import re
+import struct
+import threading
+import zipfile
+import zlib
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from django.test import AsyncClient
+from docx import Document
+from docx.shared import Inches
+
+from inference.engines import document as engine_module
+from tests.integration.conftest import with_limits
+
+pytestmark = pytest.mark.django_db(transaction=True)
+URL = "/v1/documents/convert"
+# What the findings cost before the fix: 6 GB and more (the page), +1.7 GB (the lying part),
+# +1 GB (the honest DOCX), +686 MB (the PNG). The smaller documents here took 911 MiB (the
+# page), 522 MiB (the lying part), 521 MiB (the PNG) and 450 MiB (the PDF picture); the honest
+# DOCXs (198 MiB and 45 s for the paragraphs) and the DOCX picture (144 MiB) were converted.
+MAX_GROWTH_BYTES = 150 << 20
+BIG_SIDE = 5000  # 25 Mpx, above the default limits.max_image_pixels (4096 x 4096)
+
+
+class PeakRss:
+    """The most this process's RSS grew above its start while the block ran, sampled every 5 ms
+    on a thread (the worker's conversion runs on threads of this process)."""
+
+    def __enter__(self) -> PeakRss:
+        self._process = psutil.Process()
+        self._before = self._peak = self._process.memory_info().rss
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self._peak = max(self._peak, self._process.memory_info().rss)
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.005):
+            self._peak = max(self._peak, self._process.memory_info().rss)
+
+    @property
+    def growth(self) -> int:
+        return self._peak - self._before
+
+
+async def converted(request: Awaitable[Any]) -> tuple[Any, int]:
+    """The response and how much the process grew while it was made."""
+    with PeakRss() as rss:
+        response = await request
+    return response, rss.growth
+
+
+async def upload(api: AsyncClient, path: Path, **fields: Any) -> Any:
+    with open(path, "rb") as file:
+        return await api.post(URL, data={"model": "docling", "file": file, **fields})
+
+
+def assert_refused(response: Any, message: str) -> None:
+    """The spec's 400 envelope naming `file`, exactly."""
+    assert response.status_code == 400, response.content[:500]
+    assert response.json() == {
+        "error": {"message": message, "type": "invalid_request_error", "param": "file", "code": "invalid_request_error"}
+    }
+
+
+def assert_small(growth: int) -> None:
+    assert growth < MAX_GROWTH_BYTES, f"the process grew {growth >> 20} MiB, above {MAX_GROWTH_BYTES >> 20} MiB"
+
+
+# Documents: PDFs written object by object, PNGs row by row, DOCX parts replaced in a real
+# python-docx document.
+
+
+def pdf_bytes(media_box: tuple[int, int], contents: bytes = b"", image: bytes = b"") -> bytes:
+    """A one-page PDF with a correct xref; `image` (a whole XObject with its stream) is the
+    page's /Im1."""
+    resources = b"/Resources << /XObject << /Im1 5 0 R >> >> " if image else b""
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 %d %d] " % media_box + resources + b"/Contents 4 0 R >>",
+        b"<< /Length %d >>\nstream\n" % len(contents) + contents + b"\nendstream",
+    ] + ([image] if image else [])
+    out, offsets = bytearray(b"%PDF-1.4\n"), []
+    for number, body in enumerate(objects, start=1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+    return bytes(out)
+
+
+def blank_page_pdf(path: Path, side_pt: int) -> Path:
+    """The finding's document: one blank square page, no text layer (so OCR renders it)."""
+    path.write_bytes(pdf_bytes((side_pt, side_pt)))
+    return path
+
+
+def grey_image_pdf(path: Path, side_px: int) -> Path:
+    """A Letter page showing one side_px x side_px grey image (Flate, ~100 KB)."""
+    deflate = zlib.compressobj(9)
+    row = b"\x80" * side_px
+    data = b"".join(deflate.compress(row) for _ in range(side_px)) + deflate.flush()
+    image = (
+        b"<< /Type /XObject /Subtype /Image /Width %d /Height %d /ColorSpace /DeviceGray "
+        b"/BitsPerComponent 8 /Filter /FlateDecode /Length %d >>\nstream\n"
+        % (side_px, side_px, len(data))
+        + data
+        + b"\nendstream"
+    )
+    path.write_bytes(pdf_bytes((612, 792), b"q 400 0 0 400 100 200 cm /Im1 Do Q", image))
+    return path
+
+
+def white_png(width: int, height: int) -> bytes:
+    """An RGB PNG of white pixels (a few KB for millions of pixels)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    deflate = zlib.compressobj(9)
+    row = b"\x00" + b"\xff" * (3 * width)
+    pixels = b"".join(deflate.compress(row) for _ in range(height)) + deflate.flush()
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+
+
+def docx_parts() -> dict[str, bytes]:
+    out = io.BytesIO()
+    document = Document()
+    document.add_paragraph("Seed.")
+    document.save(out)
+    with zipfile.ZipFile(out) as archive:
+        return {member.filename: archive.read(member) for member in archive.infolist()}
+
+
+def write_zip(path: Path, parts: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name, data in parts.items():
+            archive.writestr(name, data)
+    return path
+
+
+def docx_with_body(path: Path, body: str) -> Path:
+    """A real DOCX whose document body is `body` (WordprocessingML, prefix w:)."""
+    parts = docx_parts()
+    xml = parts["word/document.xml"]
+    parts["word/document.xml"] = re.sub(rb"<w:body>.*</w:body>", f"<w:body>{body}</w:body>".encode(), xml, flags=re.S)
+    return write_zip(path, parts)
+
+
+def lying_docx(path: Path, declared: int = 308, inflated: int = 512 << 20) -> Path:
+    """The finding's DOCX: its document part declares `declared` bytes and carries their CRC,
+    a complete document.xml of that size, yet its data inflates to `inflated` bytes (spaces
+    after the document's root, so the part is still valid XML read whole)."""
+    name = "word/document.xml"
+    head = (
+        b'<?xml version="1.0" encoding="UTF-8" standalone="yes"?>\n'
+        b'<w:document xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main">'
+        b"<w:body><w:p><w:r><w:t>An honest-looking document.</w:t></w:r></w:p></w:body></w:document>"
+    )
+    shown = head + b" " * (declared - len(head))
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=9) as archive:
+        for part, data in docx_parts().items():
+            if part != name:
+                archive.writestr(part, data)
+        with archive.open(name, "w") as member:
+            member.write(shown)
+            spaces = b" " * (1 << 20)
+            for _ in range((inflated - declared) // len(spaces)):
+                member.write(spaces)
+    data = bytearray(path.read_bytes())
+    crc = struct.pack("<I", zlib.crc32(shown))
+    size = struct.pack("<I", declared)
+    # The local header (CRC at 14, size at 22) and the central directory entry (16, 24).
+    for signature, crc_at, size_at, name_at in ((b"PK\x03\x04", 14, 22, 30), (b"PK\x01\x02", 16, 24, 46)):
+        at = data.find(signature)
+        while data[at + name_at : at + name_at + len(name)] != name.encode():
+            at = data.find(signature, at + 4)
+        data[at + crc_at : at + crc_at + 4] = crc
+        data[at + size_at : at + size_at + 4] = size
+    path.write_bytes(bytes(data))
+    return path
+
+
+# 1. A page rendered for OCR at most at limits.max_page_pixels.
+
+
+async def test_a_huge_blank_page_is_rendered_for_ocr_within_max_page_pixels(api, tmp_path, settings):
+    # 3000 pt square at 180 dpi is 7500 x 7500 pixels (+1 GB before the fix); within 500,000
+    # pixels it is rendered at 707 x 707. The OCR's own workspace grows with the pixels it reads
+    # (~130 bytes a pixel, up to the 2000 x 2000 rapidocr shrinks a page to), so a first page of
+    # that size (283 pt) sizes it, and the growth measured is the huge page's own.
+    with_limits(settings, max_page_pixels=500_000)
+    warm = await upload(api, blank_page_pdf(tmp_path / "warm.pdf", 283))
+    assert warm.status_code == 200, warm.content
+    response, growth = await converted(upload(api, blank_page_pdf(tmp_path / "huge.pdf", 3000)))
+    assert response.status_code == 200, response.content
+    assert response.json()["page_count"] == 1 and response.json()["markdown"] == ""
+    assert_small(growth)
+
+
+# 2. Zip parts inflated against hard caps, whatever the directory declares.
+
+
+async def test_a_docx_part_that_inflates_past_its_declared_size_is_refused(api, tmp_path):
+    path = lying_docx(tmp_path / "liar.docx")
+    assert path.stat().st_size < 1 << 20
+    response, growth = await converted(upload(api, path))
+    assert_refused(
+        response,
+        "The archive's data does not match its directory (word/document.xml inflates past the 308 bytes "
+        "it declares): a damaged file or a zip bomb.",
+    )
+    assert_small(growth)
+
+
+async def test_an_honest_docx_of_more_paragraphs_than_docling_can_hold_is_refused(api, tmp_path):
+    # 60,000 empty paragraphs: 360 KB of XML in a 40 KB file, each paragraph a docling item
+    # of ~4 KB (200,000 of them took 750 MB and 148 s).
+    path = docx_with_body(tmp_path / "paragraphs.docx", "<w:p/>" * 60_000)
+    response, growth = await converted(upload(api, path))
+    assert_refused(
+        response,
+        "The document has more than 50000 paragraphs, the most a conversion may hold in memory.",
+    )
+    assert_small(growth)
+
+
+async def test_an_honest_docx_of_more_elements_than_docling_can_hold_is_refused(api, tmp_path):
+    # 210,000 line breaks in one run, each numbered so that the part does not compress past the
+    # ratio the directory check refuses.
+    breaks = "".join(f'<w:br w:id="{i}"/>' for i in range(210_000))
+    path = docx_with_body(tmp_path / "elements.docx", f"<w:p><w:r>{breaks}</w:r></w:p>")
+    response, growth = await converted(upload(api, path))
+    assert_refused(
+        response,
+        "The document has more than 200000 XML elements, the most a conversion may hold in memory.",
+    )
+    assert_small(growth)
+
+
+async def test_a_docx_of_more_markup_than_allowed_is_refused(api, tmp_path, monkeypatch):
+    monkeypatch.setattr(engine_module, "MAX_MARKUP_BYTES", 1 << 20)
+    # 1.5 MB of numbers in 1,000 paragraphs.
+    body = "".join(f"<w:p><w:r><w:t>{' '.join(map(str, range(i, i + 250)))}</w:t></w:r></w:p>" for i in range(1000))
+    response = await upload(api, docx_with_body(tmp_path / "markup.docx", body))
+    assert_refused(response, "The document's XML inflates past 1 MiB, the most a conversion may hold in memory.")
+
+
+# 3. Every picture inside a document checked against limits.max_image_pixels before a decode.
+
+
+async def test_a_docx_picture_above_max_image_pixels_is_refused_from_its_header(api, tmp_path):
+    document = Document()
+    document.add_paragraph("A picture too large to decode.")
+    document.add_picture(io.BytesIO(white_png(BIG_SIDE, BIG_SIDE)), width=Inches(2))
+    path = tmp_path / "picture.docx"
+    document.save(str(path))
+    response, growth = await converted(upload(api, path))
+    assert_refused(
+        response,
+        f"The archive member word/media/image1.png is {BIG_SIDE}x{BIG_SIDE} pixels, above "
+        "limits.max_image_pixels (16777216).",
+    )
+    assert_small(growth)
+
+
+async def test_an_image_document_above_max_image_pixels_is_refused_from_its_header(api, tmp_path):
+    path = tmp_path / "scan.png"
+    path.write_bytes(white_png(BIG_SIDE, BIG_SIDE))
+    response, growth = await converted(upload(api, path))
+    assert_refused(response, f"The image is {BIG_SIDE}x{BIG_SIDE} pixels, above limits.max_image_pixels (16777216).")
+    assert_small(growth)
+
+
+async def test_a_pdf_picture_above_max_image_pixels_is_refused_when_pictures_are_kept(api, tmp_path):
+    # docling-parse decodes the bitmaps only for pictures (return_pictures, describe_pictures).
+    path = grey_image_pdf(tmp_path / "poster.pdf", 6000)
+    response, growth = await converted(upload(api, path, return_pictures="true"))
+    assert_refused(response, "An image on page 1 is 6000x6000 pixels, above limits.max_image_pixels (16777216).")
+    assert_small(growth)
+    # Without pictures nothing decodes it: the page converts.
+    plain = await upload(api, path)
+    assert plain.status_code == 200, plain.content

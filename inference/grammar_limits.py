@@ -12,8 +12,11 @@ kills the process. So a schema is walked first, against `limits.max_grammar_repe
 `limits.max_grammar_properties` (one object's), `limits.max_grammar_depth` (nesting, `$ref`s
 followed) and a budget of sub-schemas, then converted with llama-cpp-python's own converter and
 its GBNF measured against `limits.max_grammar_bytes`; the worker finally has libllama parse it
-(llama_io.json_grammar). Whatever the converter refuses (an unanchored pattern, an unresolvable
-`$ref`, an unknown type) is a 400 naming the request field, never a 500.
+(llama_io.json_grammar). A `pattern` passes all of these and can still stall libllama's sampler
+for minutes a token (`^(a?){1000}$`, issue 35), so the walk also reads each pattern the way the
+converter does and bounds the parse stacks and parses of its grammar (grammar_patterns.pattern_stall). Whatever
+the converter refuses (an unanchored pattern, an unresolvable `$ref`, an unknown type) is a 400
+naming the request field, never a 500.
 
 This module runs in the web process too, which must not load libllama: the converter is pure
 Python and is loaded from llama-cpp-python's file without importing the `llama_cpp` package.
@@ -33,6 +36,7 @@ from typing import Any
 from hypnos_site.config import LimitsConfig
 from hypnos_site.errors import InvalidRequest
 from inference.engines.tools import call_schema, forced_tools
+from inference.grammar_patterns import pattern_stall
 
 KNOWN_TYPES = {"string", "number", "integer", "boolean", "null", "object", "array"}
 COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
@@ -223,6 +227,9 @@ class _Walk:
             for bound in match.groups():
                 if bound:
                     self.count(where, "a pattern repetition", int(bound))
+        stall = pattern_stall(pattern)
+        if stall:
+            raise self.bad(where, f"has the pattern {pattern[:60]!r}, {stall}")
 
     def pattern_nesting(self, pattern: str, where: str) -> None:
         depth = deepest = 0

@@ -125,30 +125,40 @@ async def test_it_refuses_a_schema_that_would_crash_or_stall_llama_cpp(api, smol
 
 
 NESTED = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^" + "(" * 500 + "a" + ")" * 500 + "$"}}}
+# Issue 35: passed every grammar limit, then held the model for more than 600 s (libllama keeps a
+# parse stack in each copy of a part that can match nothing; at 150 copies one token took > 30 s).
+STALLING = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(a?){1000}$"}}}
 HELLO = [{"role": "user", "content": "Give me JSON."}]
-# Every route that takes a schema, each in its own API's shape (issue 35: all six answered 500).
-SCHEMA_ROUTES = {
-    "chat tools auto": (CHAT, chat(tools=[weather_tool(NESTED)], tool_choice="auto")),
-    "chat tools required": (CHAT, chat(tools=[weather_tool(NESTED)], tool_choice="required")),
-    "responses text.format": (
-        RESPONSES,
-        {
-            "model": SMOL,
-            "input": "Give me JSON.",
-            "text": {"format": {"type": "json_schema", "name": "x", "schema": NESTED}},
-        },
-    ),
-    "ollama format": ("/api/chat", {"model": SMOL, "messages": HELLO, "format": NESTED, "stream": False}),
-    "anthropic output_config": (
-        "/v1/messages",
-        {
-            "model": SMOL,
-            "max_tokens": 8,
-            "messages": HELLO,
-            "output_config": {"format": {"type": "json_schema", "schema": NESTED}},
-        },
-    ),
-}
+
+
+def schema_routes(schema: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Every route that takes a schema, each in its own API's shape."""
+    return {
+        "chat tools auto": (CHAT, chat(tools=[weather_tool(schema)], tool_choice="auto")),
+        "chat tools required": (CHAT, chat(tools=[weather_tool(schema)], tool_choice="required")),
+        "responses text.format": (
+            RESPONSES,
+            {
+                "model": SMOL,
+                "input": "Give me JSON.",
+                "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}},
+            },
+        ),
+        "ollama format": ("/api/chat", {"model": SMOL, "messages": HELLO, "format": schema, "stream": False}),
+        "anthropic output_config": (
+            "/v1/messages",
+            {
+                "model": SMOL,
+                "max_tokens": 8,
+                "messages": HELLO,
+                "output_config": {"format": {"type": "json_schema", "schema": schema}},
+            },
+        ),
+    }
+
+
+# Issue 35: all six answered 500.
+SCHEMA_ROUTES = schema_routes(NESTED)
 
 
 @pytest.mark.parametrize("case", list(SCHEMA_ROUTES))
@@ -157,6 +167,25 @@ async def test_a_pattern_of_500_nested_groups_is_a_400_on_every_route_that_takes
     response = await post_json(api, path, body)
     assert response.status_code == 400, (response.status_code, response.content[:300])
     assert "nests 500 groups" in response.content.decode()
+    assert smol.models[SMOL].admitted == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_pattern_whose_grammar_stalls_the_sampler_is_a_400_and_the_model_stays_free(api, smol, stream):
+    started = time.perf_counter()
+    response = await post_json(api, CHAT, chat(response_format=schema_format(STALLING), stream=stream))
+    assert_refused(response, "response_format", words="has the pattern '^(a?){1000}$', whose grammar keeps 1000")
+    assert time.perf_counter() - started < 5
+    assert smol.models[SMOL].admitted == 0
+    await assert_still_answers(api)
+
+
+@pytest.mark.parametrize("case", list(SCHEMA_ROUTES))
+async def test_a_stalling_pattern_is_a_400_on_every_route_that_takes_a_schema(api, smol, case):
+    path, body = schema_routes(STALLING)[case]
+    response = await post_json(api, path, body)
+    assert response.status_code == 400, (response.status_code, response.content[:300])
+    assert "1000 parse stacks" in response.content.decode()
     assert smol.models[SMOL].admitted == 0
 
 

@@ -24,6 +24,7 @@ from docx import Document
 from docx.shared import Inches
 
 from inference.engines import document as engine_module
+from inference.engines.document import MAX_HTML_DEPTH
 from tests.integration.conftest import with_limits
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -304,3 +305,34 @@ async def test_a_pdf_picture_above_max_image_pixels_is_refused_when_pictures_are
     # Without pictures nothing decodes it: the page converts.
     plain = await upload(api, path)
     assert plain.status_code == 200, plain.content
+
+
+# 4. An HTML tree nested past what docling's recursive walk reads.
+
+
+@pytest.mark.parametrize(
+    ("name", "body"),
+    [
+        ("nested", "<div>" * 5000 + "x" + "</div>" * 5000),  # 27.7 s to fail before
+        ("unclosed", "<p>a paragraph" * 5000),  # BeautifulSoup nests each unclosed <p> in the last
+    ],
+)
+async def test_an_html_document_nested_past_the_depth_limit_is_refused_before_docling(api, tmp_path, name, body):
+    path = tmp_path / f"{name}.html"
+    path.write_text(f"<!doctype html><html><body>{body}</body></html>")
+    response, growth = await converted(upload(api, path))
+    assert_refused(
+        response,
+        f"The HTML document nests its elements more than {MAX_HTML_DEPTH} deep (unclosed or nested tags); "
+        "the converter cannot read it.",
+    )
+    assert_small(growth)
+
+
+async def test_an_html_document_of_many_closed_paragraphs_and_void_elements_is_converted(api, tmp_path):
+    rows = "".join(f"<p>Paragraph {i}<br><img src='x.png' alt=''></p>" for i in range(400))
+    path = tmp_path / "flat.html"
+    path.write_text(f"<!doctype html><html><body><div><div>{rows}</div></div></body></html>")
+    response = await upload(api, path)
+    assert response.status_code == 200, response.content[:500]
+    assert "Paragraph 399" in response.json()["markdown"]

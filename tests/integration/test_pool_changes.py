@@ -339,7 +339,9 @@ async def test_options_layer_defaults_config_and_saved_and_apply_at_once(api, po
     assert completion["usage"]["completion_tokens"] == 3
 
     merged = (await post_json(api, url, {"temperature": None, "context_len": 3072})).json()
-    assert merged["saved"] == {"max_tokens": 3, "context_len": 3072} and merged["action"] == "reloaded"
+    assert (
+        merged["saved"] == {"max_tokens": 3, "context_len": 3072, "ctx_size": 3072} and merged["action"] == "reloaded"
+    )
     assert pool.models[SMOL].config.context_len == 3072
     restarted = Worker(await asyncio.to_thread(with_overlay, settings.HYPNOS))
     assert restarted.models[SMOL].config.context_len == 3072

@@ -5,6 +5,7 @@ from a JSON answer even when it was cut short, and scores from token probabiliti
 from __future__ import annotations
 
 import json
+import threading
 
 from inference.engines.base import ChatWork
 from inference.entities import Span, label_families, select_spans
@@ -132,6 +133,7 @@ class _Written(ChatExtractor):
 
     def __init__(self, text: str, answer_text: str, threshold: float = 0.5):
         self.work = EntityWork(input=[text], labels=["letter"], threshold=threshold)
+        self.cancel = threading.Event()
         self.prepared = [ChatWork(messages=[], max_tokens=1)]
         self._written = _Answer(answer_text, [(0, len(answer_text.encode()), 0.9)])
 

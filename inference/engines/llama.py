@@ -78,7 +78,7 @@ class LlamaEngine(Engine):
         # When the single-slot context's conversation was last served (KV idle timeout).
         self._used_at = time.monotonic()
         # The tool router's own sequence (its few-shot prompt, the same every time), set aside
-        # between routing passes on the single-slot context (_RouterTurn).
+        # between routing passes on the single-slot context (_KeptSequence).
         self._router_kv: _KeptSequence | None = None
 
     @property
@@ -736,8 +736,6 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[llama_types.ChatComp
     return cast(list[llama_types.ChatCompletionTool] | None, tools)
 
 
-# The router's instructions and generic examples, each carrying its own function list, so the
-# model learns the task and not the tools (measured: 10 of 10 right on Qwen2.5-Coder-1.5B).
 def _prefill(llm: llama_cpp.Llama, tokens: list[int], cancel: threading.Event) -> Iterator[int]:
     """Evaluate the prompt's uncached tokens a batch at a time, looking at `cancel` between
     batches, up to the last batch, which llm.generate then evaluates itself (it finds the rest
@@ -790,6 +788,8 @@ class _KeptSequence:
             llm.n_tokens = len(self.tokens)
 
 
+# The router's instructions and generic examples, each carrying its own function list, so the
+# model learns the task and not the tools (measured: 10 of 10 right on Qwen2.5-Coder-1.5B).
 ROUTER_SHOTS: list[dict[str, str]] = [
     {
         "role": "system",

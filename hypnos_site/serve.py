@@ -2,7 +2,8 @@
 
 SIGTERM drains (what a process manager or a rolling deploy sends): the process stops listening
 at once, so new connections go to the other web processes, lets the requests in flight finish
-(streams to their last byte) for up to `server.shutdown_drain_secs`, then exits 0. SIGINT
+(streams to their last byte) for up to `server.shutdown_drain_secs`, then exits 0 (or 1 when
+the engines' shutdown overruns its grace: hypnos_site/hard_stop.py). SIGINT
 (Ctrl-C) still stops at once.
 """
 
@@ -21,6 +22,7 @@ from twisted.internet import reactor
 
 from hypnos_site import edge
 from hypnos_site.config import ConfigError, get_config
+from hypnos_site.hard_stop import SHUTDOWN_GRACE_SECS, exit_after
 
 log = logging.getLogger("hypnos.serve")
 DRAIN_POLL_SECS = 0.1
@@ -62,6 +64,9 @@ class DrainingServer(Server):
         if self.draining_since is not None:
             return
         self.draining_since = time.monotonic()
+        # The in-process worker's engine threads are joined at exit: one in a native call that
+        # never returns must not keep the process past the drain (hypnos_site/hard_stop.py).
+        exit_after(self.drain_secs + SHUTDOWN_GRACE_SECS)
         for port in self.ports:
             port.stopListening()
         log.warning(

@@ -233,6 +233,9 @@ class SetLimitsArgs(_Work):
 
 class FaultArgs(_Work):
     request_id: str
+    # crash: a native SIGSEGV in the engine's thread; hang: that thread stuck in a native call
+    # that never returns (a stop must still end the process: hypnos_site/hard_stop.py).
+    fault: Literal["crash", "hang"] = "crash"
 
 
 class AddModelArgs(_Work):

@@ -127,8 +127,8 @@ class Worker:
         self._cancels: dict[str, threading.Event] = {}
         self._leases: dict[str, Lease] = {}
         # Request ids armed by the `fault` control op (FAULT_INJECTION_ENV), each with the
-        # monotonic time from which it crashes.
-        self._faults: dict[str, float] = {}
+        # monotonic time from which it faults and how (crash, hang).
+        self._faults: dict[str, tuple[float, str]] = {}
         self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="hypnos-infer")
         self._staged = threading.Event()
         self.started_at = time.time()
@@ -338,12 +338,18 @@ class Worker:
             log.info("prefetch of %s skipped: %s", name, exc.message)
 
     def _faulty(self, request_id: str, sink: Sink) -> Sink:
-        """The request's sink, crashing the process natively (SIGSEGV) in the thread that emits
-        the request's first event FAULT_DELAY_SECS after `fault` armed it: the engine's thread,
-        mid-generation."""
+        """The request's sink, which, in the thread that emits the request's first event
+        FAULT_DELAY_SECS after `fault` armed it (the engine's thread, mid-generation), crashes
+        the process natively (SIGSEGV) or hangs in a native call that never returns."""
 
         def emit(event: Event) -> None:
-            if time.monotonic() >= self._faults.get(request_id, math.inf):
+            armed = self._faults.get(request_id)
+            if armed is not None and time.monotonic() >= armed[0]:
+                if armed[1] == "hang":
+                    log.error("request %s: fault injection, hanging in a native call", request_id)
+                    libc = ctypes.CDLL(None)
+                    while True:  # sleep(3) returns early on a signal: sleep again
+                        libc.sleep(3600)
                 log.error("request %s: fault injection, reading address 0", request_id)
                 ctypes.string_at(0)
             sink(event)
@@ -353,9 +359,9 @@ class Worker:
     def _arm_fault(self, payload: dict[str, Any]) -> dict[str, Any]:
         if os.environ.get(FAULT_INJECTION_ENV) != "1":
             raise InvalidRequest(f"fault injection is off ({FAULT_INJECTION_ENV} is not 1 on the worker)")
-        # The crash waits FAULT_DELAY_SECS so that the arming's own answer reaches the caller
+        # The fault waits FAULT_DELAY_SECS so that the arming's own answer reaches the caller
         # first: a crash on the very next token could beat it out of the process.
-        self._faults[payload["request_id"]] = time.monotonic() + FAULT_DELAY_SECS
+        self._faults[payload["request_id"]] = (time.monotonic() + FAULT_DELAY_SECS, payload.get("fault", "crash"))
         return {"armed": payload["request_id"]}
 
     def _control(self, op: str, payload: dict[str, Any], sink: Sink) -> None:

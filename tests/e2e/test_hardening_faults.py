@@ -29,6 +29,7 @@ import psutil
 import pytest
 from channels_redis.core import RedisChannelLayer
 
+from hypnos_site.hard_stop import CUT_EXIT_CODE, SHUTDOWN_GRACE_SECS
 from inference.client import ChannelLayerTransport, InferenceClient
 from inference.cluster import ANNOUNCE_SECS, ANNOUNCE_TTL_SECS
 from tests.conftest import PARIS_MESSAGES
@@ -73,13 +74,13 @@ class Deployment:
     def start_redis(self) -> None:
         self.redis = start_redis(self.redis_port, self.directory)
 
-    def fault(self, request_id: str) -> Any:
+    def fault(self, request_id: str, fault: str = "crash") -> Any:
         """The `fault` control op, sent to the worker through the channel layer like the web's."""
 
         async def send() -> Any:
             layer = RedisChannelLayer(hosts=[self.redis_url], prefix=self.env["HYPNOS_CHANNEL_PREFIX"])
             return await InferenceClient(ChannelLayerTransport(layer, ACK_TIMEOUT_SECS)).control(
-                "fault", {"request_id": request_id}
+                "fault", {"request_id": request_id, "fault": fault}
             )
 
         return asyncio.run(send())
@@ -290,3 +291,45 @@ def test_without_a_worker_a_chat_is_a_503_within_the_ack_timeout(deployment):
     # One ack timeout (the status call's; the request itself then answers at once), not two: the
     # other timeout is the slack for a busy machine.
     assert elapsed < 2 * ACK_TIMEOUT_SECS
+
+
+def test_sigterm_ends_a_worker_whose_engine_hangs_in_a_native_call(deployment):
+    """Runs last: the test before has stopped the deployment's worker. A fresh one, with a 1 s
+    drain, gets a request whose engine thread then hangs in a native call (libc sleep, as a
+    stable-diffusion.cpp generation or a wedged driver would): SIGTERM still ends the process, at
+    the drain plus SHUTDOWN_GRACE_SECS, with the threads it cut in the log."""
+    config = Path(deployment.env["HYPNOS_CONFIG"])
+    short_drain = config.with_name("hypnos-short-drain.toml")
+    short_drain.write_text(config.read_text().replace("[server]\n", "[server]\nshutdown_drain_secs = 1\n", 1))
+    env = {**deployment.env, "HYPNOS_CONFIG": str(short_drain)}
+    deployment.worker = start("runinference-hang", ["manage.py", "runinference"], env, deployment.directory)
+    wait_served(deployment.base_url, timeout=120)
+    hung: list[float] = []
+    with httpx.stream("POST", f"{deployment.base_url}{CHAT}", json={**STORY, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        request_id = response.headers["x-request-id"]
+
+        def hang() -> None:
+            assert deployment.fault(request_id, "hang") == {"armed": request_id}
+            hung.append(time.monotonic())
+
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"content"' in line:
+                hang()
+                break
+        assert hung, "no content came before the fault"
+        log = deployment.worker.log
+        deadline = time.monotonic() + 60
+        while "hanging in a native call" not in log.read_text():
+            assert time.monotonic() < deadline, deployment.worker.tail()
+            time.sleep(0.1)
+        deployment.worker.popen.send_signal(signal.SIGTERM)  # the supervisor forwards it
+        signalled = time.monotonic()
+        # The drain (1 s) and the grace; 5x that for a busy machine. Without the hard stop the
+        # process never ends (the fixture's SIGKILL would be the only way out).
+        bound = 5 * (1 + SHUTDOWN_GRACE_SECS)
+        code = deployment.worker.popen.wait(timeout=bound)
+    assert time.monotonic() - signalled >= SHUTDOWN_GRACE_SECS  # a cut, not a clean stop
+    assert code == CUT_EXIT_CODE
+    text = log.read_text()
+    assert "exiting now" in text and "hypnos-infer" in text, deployment.worker.tail()

@@ -54,6 +54,9 @@ WORKSPACE_BYTES = 224 << 20
 # 12 pt print comes out ~30 px tall, where PP-OCRv4 reads best. A larger page is rendered at
 # less, within limits.max_page_pixels (ocr_scale).
 OCR_SCALE = 2.5
+# ... and at most this many pixels on the longer side: an A4 page comes out 1414 x 2000, the size
+# rapidocr itself reduced a page to before reading it; more would cost memory and read no better.
+READ_MAX_SIDE = 2000
 # A zip (DOCX/PPTX/XLSX) may inflate to at most this much in all: its directory's sizes are
 # checked against it before anything is inflated, then each member is inflated and counted
 # (check_zip). python-docx and python-pptx hold every part in memory; a real document's media
@@ -602,8 +605,13 @@ def _check_pdf_images(doc: OpenedDocument, pages: list[int], max_pixels: int) ->
 
 def ocr_scale(width_pt: float, height_pt: float, max_pixels: int) -> float:
     """Pixels per point to render a page at for OCR: OCR_SCALE, less for a page that would pass
-    `max_pixels` (a 14,400 pt square page at OCR_SCALE is 1.3 Gpx, 4 GB of BGR)."""
-    return min(OCR_SCALE, math.sqrt(max_pixels / max(width_pt * height_pt, 1.0)))
+    `max_pixels` (a 14,400 pt square page at OCR_SCALE is 1.3 Gpx, 4 GB of BGR) or READ_MAX_SIDE
+    on its longer side."""
+    return min(
+        OCR_SCALE,
+        math.sqrt(max_pixels / max(width_pt * height_pt, 1.0)),
+        READ_MAX_SIDE / max(width_pt, height_pt, 1.0),
+    )
 
 
 def _limits() -> LimitsConfig:

@@ -18,26 +18,27 @@ import base64
 import io
 import json
 import logging
-import struct
 import sys
 import tempfile
 import threading
 import time
 import wave
-import zipfile
-import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+BASE_DIR = Path(__file__).resolve().parent.parent
+if str(BASE_DIR) not in sys.path:
+    sys.path.insert(0, str(BASE_DIR))
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
-from chat_stream import BASE_DIR, Proc, _fmt, _stop_on_sigterm, free_port, migrate, server_env  # noqa: E402
+from chat_stream import Proc, _fmt, _stop_on_sigterm, free_port, migrate, server_env  # noqa: E402
 from server_cost import start_process, wait_ready  # noqa: E402
 
 from hypnos_site.config import load_config  # noqa: E402
+from tests.bomb_documents import docx_body_bytes, docx_parts, lying_docx, pdf_bytes, white_png, zip_bytes  # noqa: E402
 
 log = logging.getLogger("bench.bombs")
 
@@ -246,99 +247,6 @@ def http_outcome(response: httpx.Response) -> Outcome:
 # -- the bombs ----------------------------------------------------------------------------------
 
 
-def pdf_bytes(side_pt: int) -> bytes:
-    """tests/integration/test_document_bombs.py's one blank page, no text layer (OCR renders it)."""
-    objects = [
-        b"<< /Type /Catalog /Pages 2 0 R >>",
-        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
-        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 %d %d] /Contents 4 0 R >>" % (side_pt, side_pt),
-        b"<< /Length 0 >>\nstream\n\nendstream",
-    ]
-    out, offsets = bytearray(b"%PDF-1.4\n"), []
-    for number, body in enumerate(objects, start=1):
-        offsets.append(len(out))
-        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
-    xref = len(out)
-    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
-    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
-    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
-    return bytes(out)
-
-
-def white_png(width: int, height: int) -> bytes:
-    """An RGB PNG of white pixels (a few KB for millions of pixels)."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    deflate = zlib.compressobj(9)
-    row = b"\x00" + b"\xff" * (3 * width)
-    pixels = b"".join(deflate.compress(row) for _ in range(height)) + deflate.flush()
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
-
-
-def docx_parts(picture: bytes | None = None) -> dict[str, bytes]:
-    """The parts of a real one-paragraph DOCX from python-docx (with `picture` inline)."""
-    from docx import Document
-
-    out = io.BytesIO()
-    document = Document()
-    document.add_paragraph("Seed.")
-    if picture is not None:
-        document.add_picture(io.BytesIO(picture))
-    document.save(out)
-    with zipfile.ZipFile(out) as archive:
-        return {member.filename: archive.read(member) for member in archive.infolist()}
-
-
-def zip_parts(parts: dict[str, bytes]) -> bytes:
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        for name, data in parts.items():
-            archive.writestr(name, data)
-    return out.getvalue()
-
-
-def paragraphs_docx(count: int) -> bytes:
-    parts = docx_parts()
-    body = b"<w:body>" + b"<w:p/>" * count + b"</w:body>"
-    xml = parts["word/document.xml"]
-    parts["word/document.xml"] = xml[: xml.index(b"<w:body>")] + body + xml[xml.index(b"</w:body>") + 9 :]
-    return zip_parts(parts)
-
-
-def lying_docx(path: Path, declared: int, inflated: int) -> bytes:
-    """A DOCX whose document part declares `declared` bytes and carries their CRC, yet inflates
-    to `inflated` bytes (spaces after the root element), as test_document_bombs.py's."""
-    name = "word/document.xml"
-    head = (
-        b'<?xml version="1.0" encoding="UTF-8" standalone="yes"?>\n'
-        b'<w:document xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main">'
-        b"<w:body><w:p><w:r><w:t>An honest-looking document.</w:t></w:r></w:p></w:body></w:document>"
-    )
-    shown = head + b" " * (declared - len(head))
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=9) as archive:
-        for part, data in docx_parts().items():
-            if part != name:
-                archive.writestr(part, data)
-        with archive.open(name, "w") as member:
-            member.write(shown)
-            spaces = b" " * MIB
-            for _ in range((inflated - declared) // MIB):
-                member.write(spaces)
-    data = bytearray(path.read_bytes())
-    crc, size = struct.pack("<I", zlib.crc32(shown)), struct.pack("<I", declared)
-    # The local header (CRC at 14, size at 22) and the central directory entry (16, 24).
-    for signature, crc_at, size_at, name_at in ((b"PK\x03\x04", 14, 22, 30), (b"PK\x01\x02", 16, 24, 46)):
-        at = data.find(signature)
-        while data[at + name_at : at + name_at + len(name)] != name.encode():
-            at = data.find(signature, at + 4)
-        data[at + crc_at : at + crc_at + 4] = crc
-        data[at + size_at : at + size_at + 4] = size
-    return bytes(data)
-
-
 class Bombs:
     """Each bomb: a function of the server that sends it and says what came back."""
 
@@ -350,17 +258,20 @@ class Bombs:
 
     def prepare(self) -> None:
         """The DOCXs, built before any request (building the 1.5 GiB one takes seconds)."""
-        self.payloads["docx_lying_sizes"] = lying_docx(self.work_dir / "lying.docx", 308, 1536 * MIB)
-        (self.work_dir / "lying.docx").unlink()
-        self.payloads["docx_paragraphs"] = paragraphs_docx(200_000)
-        self.payloads["docx_picture"] = zip_parts(docx_parts(white_png(5000, 5000)))
+        lying = lying_docx(self.work_dir / "lying.docx", 308, 1536 * MIB)
+        self.payloads["docx_lying_sizes"] = lying.read_bytes()
+        lying.unlink()
+        self.payloads["docx_paragraphs"] = docx_body_bytes("<w:p/>" * 200_000)
+        self.payloads["docx_picture"] = zip_bytes(docx_parts(white_png(5000, 5000)))
 
     def warm_up(self) -> None:
-        """One small request per model, so that no bomb's growth counts a model's loading."""
+        """One small request per model, so that no bomb's growth counts a model's loading: an A4
+        page without a text layer loads the PDF backend and the OCR's sessions."""
         started = time.monotonic()
         html = b"<html><body><p>Warm.</p></body></html>"
         for outcome in (
             self.convert("warm.html", html, "text/html"),
+            self.convert("warm.pdf", pdf_bytes((595, 842)), "application/pdf"),
             http_outcome(self.chat()[0]),
             self.entities(["Mario Rossi works in Milan for Ferrari."]),
             self.transcribe(),
@@ -414,11 +325,21 @@ class Bombs:
         response = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=self.timeout)
         return response, time.monotonic() - started
 
-    def pdf_huge_page(self) -> Outcome:
-        data = pdf_bytes(14_400)
-        outcome = self.convert("huge.pdf", data, "application/pdf")
+    def blank_page(self, filename: str, media_box: tuple[int, int]) -> Outcome:
+        """One blank page of `media_box` points, no text layer (OCR renders it)."""
+        data = pdf_bytes(media_box)
+        outcome = self.convert(filename, data, "application/pdf")
         outcome.extra["bytes"] = len(data)
         return outcome
+
+    def pdf_huge_page(self) -> Outcome:
+        return self.blank_page("huge.pdf", (14_400, 14_400))
+
+    def pdf_thin_page(self) -> Outcome:
+        return self.blank_page("thin.pdf", (200, 14_400))
+
+    def pdf_flat_page(self) -> Outcome:
+        return self.blank_page("flat.pdf", (14_400, 20))
 
     def json_empty_objects(self) -> Outcome:
         count = (8 * MIB - 50) // 3
@@ -599,6 +520,8 @@ class Bombs:
 
 BOMBS = (
     "pdf_huge_page",
+    "pdf_thin_page",
+    "pdf_flat_page",
     "json_empty_objects",
     "json_nested_arrays",
     "docx_lying_sizes",

@@ -60,7 +60,7 @@ class InferenceRuntime:
             worker, self._worker, self._client = self._worker, None, None
         if worker is not None:
             worker.shutdown()
-            _trim_heap()
+            trim_heap()
 
     @contextmanager
     def serving(self, worker: Worker) -> Iterator[Worker]:
@@ -97,7 +97,7 @@ class InferenceRuntime:
         return self._worker
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Give the C heap's free pages back to the system (glibc's malloc_trim): the engines' many
     small allocations, freed, otherwise stay counted in the process's resident memory."""
     try:

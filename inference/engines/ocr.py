@@ -26,9 +26,9 @@ MODEL_FILES = (DETECTOR, RECOGNIZER, CLASSIFIER)
 MIN_SCORE = 0.5
 # The detector (a DB network) takes ~150 bytes per input pixel whatever the session options
 # (measured: 593 MB for 1984 x 1984 on onnxruntime 1.32), so it sees at most this many pixels:
-# ~225 MB. An A4 page is detected at ~1030 x 1460 (12 pt text ~21 px tall; PaddleOCR's own
-# default detects at 960 px on the longer side) and each line is then read from the full render.
-DETECTION_PIXELS = 1_500_000
+# ~150 MB. An A4 page is detected at ~832 x 1184 (12 pt text ~17 px tall; PaddleOCR's own default
+# detects at 960 px on the longer side, ~14 px) and each line is then read from the full render.
+DETECTION_PIXELS = 1_000_000
 # rapidocr's defaults: small images are enlarged to this shorter side, large ones reduced to
 # that longer side.
 DETECTION_MIN_SIDE = 736

@@ -11,9 +11,11 @@ import pytest
 from django.test import AsyncClient
 
 from hypnos_site.config import HypnosConfig
-from inference.runtime import runtime
+from hypnos_site.errors import HypnosError
+from inference.runtime import runtime, trim_heap
 from inference.worker import Worker
 from logs.store import settled
+from memory.tiers import MemoryTier
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -25,6 +27,28 @@ def worker() -> Worker:
     assert worker.wait_ready(120), "startup staging did not finish"
     assert worker.models["smollm2-135m"].problem is None
     return worker
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engines_released_after_the_module() -> Iterator[None]:
+    """Nothing a module loaded stays loaded for the next one (issue 31): after each module the
+    session's in-process worker puts every model back on disk but those its config stages in
+    tier 1 (SmolLM2), so the suite's memory is one module's, not the sum of every model any
+    module touched (the 1.5B entity model alone held ~1.8 GB through the rest of the run)."""
+    yield
+    worker = runtime.in_process_worker()
+    if worker is None:
+        return
+    for model_id, model in list(worker.models.items()):
+        if model.engine is None or model.config.initial_tier == MemoryTier.TIER1:
+            continue
+        if worker.tiers.placement(model_id).primary_tier == MemoryTier.TIER3:
+            continue
+        try:
+            worker.move(model_id, MemoryTier.TIER3, None)
+        except HypnosError:  # still busy with a request the module left behind: kept
+            pass
+    trim_heap()
 
 
 @pytest.fixture

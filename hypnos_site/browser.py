@@ -40,6 +40,8 @@ class BrowserPagesMiddleware:
         markcoroutinefunction(self)
 
     async def __call__(self, request: HttpRequest) -> HttpResponseBase:
-        if request.path.startswith(BROWSER_PATHS):
+        # path_info: the path without a reverse proxy's script prefix (daphne's --root-path,
+        # FORCE_SCRIPT_NAME).
+        if request.path_info.startswith(BROWSER_PATHS):
             return await self.browser_chain(request)
         return await self.get_response(request)

@@ -89,6 +89,9 @@ MIDDLEWARE = [
     # 429 and 403 answers carry the CORS headers too.
     "logs.middleware.InferenceAccountingMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    # /static/ (the admin's styles, the vendored pages' assets): answered here, before CSRF and
+    # the browser pages' sessions (hypnos_site/static_files.py).
+    "hypnos_site.static_files.StaticFilesMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     # Sessions, common, auth and messages on the admin's pages only (hypnos_site/browser.py: on
@@ -253,8 +256,15 @@ SECURE_HSTS_PRELOAD = _TLS
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
 
+# Relative, so the script prefix of a reverse proxy (FORCE_SCRIPT_NAME, or daphne's --root-path)
+# comes in front of it. The files are served from the finders (hypnos_site/static_files.py): no
+# collectstatic step; one run into STATIC_ROOT is served too.
 STATIC_URL = "static/"
 STATIC_ROOT = HYPNOS.data_dir / "static"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+WHITENOISE_USE_FINDERS = True
+# The pages' own assets; no other origin reads them (WhiteNoise's default answers `*`).
+WHITENOISE_ALLOW_ALL_ORIGINS = False
 USE_TZ = True
 TIME_ZONE = "UTC"
 

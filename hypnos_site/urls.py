@@ -1,6 +1,7 @@
 from django.contrib import admin
 from django.urls import include, path
 
+from hypnos_site import openapi, playground
 from hypnos_site.metrics import metrics_view
 from inference import views
 from models_registry.admin_catalog import catalog_view
@@ -8,6 +9,9 @@ from models_registry.admin_catalog import catalog_view
 urlpatterns = [
     path("health", views.health),
     path("ready", views.ready),
+    # The API's OpenAPI schema, generated from this table, and Swagger UI on it (open, like /health).
+    path("v1/openapi.json", openapi.OpenApiView.as_view(), name="openapi-schema"),
+    path("docs", openapi.docs_view, name="api-docs"),
     # Before the admin's own routes, whose catch-all would answer this path.
     path("admin/catalog/", admin.site.admin_view(catalog_view), name="admin-catalog"),
     path("admin/", admin.site.urls),
@@ -24,6 +28,9 @@ urlpatterns = [
     path("api/v1/", include("inference.anthropic_urls")),
     path("internal/set", views.InternalSetView.as_view()),
     path("api/v1/", include("inference.urls")),
+    # The web playground for browsers (text/html); before Ollama's routes, whose GET and HEAD /
+    # it still answers for every other client (hypnos_site/playground.py).
+    path("", playground.index, name="playground"),
     # Ollama clients talk to /api/<verb> (and HEAD /).
     path("", include("inference.ollama_urls")),
 ]

@@ -25,22 +25,47 @@ class NoDeleteAdmin(admin.ModelAdmin):
 
 @admin.register(RequestLogEntry)
 class RequestLogEntryAdmin(ReadOnlyAdmin):
-    """Read-only: entries are written by the server only."""
+    """Read-only: entries are written by the server only. The list fits a normal screen: seven
+    short columns, long values cut (the entry's page has them whole), no navigation sidebar
+    (its template); the key and the level are filters."""
 
-    list_display = [
-        "started_at",
-        "request_id",
-        "route",
-        "status",
-        "key_label",
-        "model",
-        "tokens_in",
-        "tokens_out",
-        "duration_ms",
-        "level",
-    ]
+    list_display = ["started", "call", "status", "short_model", "tokens", "duration", "short_error"]
+    list_display_links = ["started", "call"]
     list_filter = ["route", "status", "level", "key_label"]
     search_fields = ["request_id", "model"]
+    change_list_template = "admin/logs/requestlogentry/change_list.html"
+
+    @admin.display(description="started (UTC)", ordering="started_at")
+    def started(self, entry: RequestLogEntry) -> str:
+        return entry.started_at.strftime("%m-%d %H:%M:%S")
+
+    @admin.display(description="call", ordering="route")
+    def call(self, entry: RequestLogEntry) -> str:
+        return f"{entry.method} {_cut(entry.route, 40)}"
+
+    @admin.display(description="model", ordering="model")
+    def short_model(self, entry: RequestLogEntry) -> str:
+        return _cut(entry.model, 24)
+
+    @admin.display(description="tokens in / out")
+    def tokens(self, entry: RequestLogEntry) -> str:
+        if entry.tokens_in is None and entry.tokens_out is None:
+            return "-"
+        return f"{entry.tokens_in or 0} / {entry.tokens_out or 0}"
+
+    @admin.display(description="duration (ms)", ordering="duration_ms")
+    def duration(self, entry: RequestLogEntry) -> str:
+        return f"{entry.duration_ms:.0f}"
+
+    @admin.display(description="error")
+    def short_error(self, entry: RequestLogEntry) -> str:
+        return _cut(entry.error, 40)
+
+
+def _cut(text: str | None, length: int) -> str:
+    """The text on one line, at most `length` characters, an ellipsis where it was cut."""
+    flat = " ".join((text or "").split())
+    return flat if len(flat) <= length else flat[: length - 1] + "\u2026"
 
 
 @admin.register(StoredDocument)

@@ -137,6 +137,8 @@ class StatusReports:
                 # and sees images through its projector (aux_path).
                 "modalities": config.modalities,
                 "engine": config.engine,
+                # Execution slots: how many requests it decodes at once (the tier view shows them).
+                "slots": config.slots,
                 # Both replaced by the ledger's once the model's footprint is known.
                 "moe_offload": config.moe_offload,
                 "expert_bytes": 0,

@@ -386,6 +386,9 @@ ROUTES = [
     Route("health", ("GET",)),
     Route("ready", ("GET",)),
     Route("metrics", ("GET",)),
+    # The generated OpenAPI schema and the Swagger UI page on it (hypnos_site/openapi.py).
+    Route("v1/openapi.json", ("GET",)),
+    Route("docs", ("GET",)),
     Route("internal/set", ("POST",), fz.wire_body(InternalSetRequest)),
     Route("api/v1/health", ("GET",)),
     Route("api/v1/load", ("POST",), lemonade_body),

@@ -378,9 +378,12 @@ class Worker:
     def _arm_fault(self, payload: dict[str, Any]) -> dict[str, Any]:
         if os.environ.get(FAULT_INJECTION_ENV) != "1":
             raise InvalidRequest(f"fault injection is off ({FAULT_INJECTION_ENV} is not 1 on the worker)")
-        # The fault waits FAULT_DELAY_SECS so that the arming's own answer reaches the caller
-        # first: a crash on the very next token could beat it out of the process.
-        self._faults[payload["request_id"]] = (time.monotonic() + FAULT_DELAY_SECS, payload.get("fault", "crash"))
+        # A crash waits FAULT_DELAY_SECS so that the arming's own answer reaches the caller first:
+        # a crash on the very next token could beat it out of the process. A hang stops only the
+        # engine's thread, so it takes the very next event (a short answer may have no later one).
+        fault = payload.get("fault", "crash")
+        delay = FAULT_DELAY_SECS if fault == "crash" else 0.0
+        self._faults[payload["request_id"]] = (time.monotonic() + delay, fault)
         return {"armed": payload["request_id"]}
 
     def _control(self, op: str, payload: dict[str, Any], sink: Sink) -> None:

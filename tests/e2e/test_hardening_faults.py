@@ -13,6 +13,7 @@ start again, + the session's PostgreSQL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -303,6 +304,21 @@ def test_sigterm_ends_a_worker_whose_engine_hangs_in_a_native_call(deployment):
     short_drain.write_text(config.read_text().replace("[server]\n", "[server]\nshutdown_drain_secs = 1\n", 1))
     env = {**deployment.env, "HYPNOS_CONFIG": str(short_drain)}
     deployment.worker = start("runinference-hang", ["manage.py", "runinference"], env, deployment.directory)
+    try:
+        code, waited = hang_then_sigterm(deployment)
+    finally:
+        # Whatever happened, no process of this test outlives it: the supervisor and its child.
+        kill_tree(deployment.worker.popen)
+    log = deployment.worker.log
+    assert waited >= SHUTDOWN_GRACE_SECS  # a cut, not a clean stop
+    assert code == CUT_EXIT_CODE
+    text = log.read_text()
+    assert "exiting now" in text and "hypnos-infer" in text, deployment.worker.tail()
+
+
+def hang_then_sigterm(deployment: Deployment) -> tuple[int, float]:
+    """A streamed chat whose engine thread then hangs; SIGTERM to the worker's supervisor once
+    the hang is logged. The exit status and how long the exit took."""
     wait_served(deployment.base_url, timeout=120)
     hung: list[float] = []
     with httpx.stream("POST", f"{deployment.base_url}{CHAT}", json={**STORY, "stream": True}, timeout=60) as response:
@@ -326,10 +342,20 @@ def test_sigterm_ends_a_worker_whose_engine_hangs_in_a_native_call(deployment):
         deployment.worker.popen.send_signal(signal.SIGTERM)  # the supervisor forwards it
         signalled = time.monotonic()
         # The drain (1 s) and the grace; 5x that for a busy machine. Without the hard stop the
-        # process never ends (the fixture's SIGKILL would be the only way out).
+        # process never ends (SIGKILL would be the only way out).
         bound = 5 * (1 + SHUTDOWN_GRACE_SECS)
         code = deployment.worker.popen.wait(timeout=bound)
-    assert time.monotonic() - signalled >= SHUTDOWN_GRACE_SECS  # a cut, not a clean stop
-    assert code == CUT_EXIT_CODE
-    text = log.read_text()
-    assert "exiting now" in text and "hypnos-infer" in text, deployment.worker.tail()
+    return code, time.monotonic() - signalled
+
+
+def kill_tree(popen: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a process and every process below it, those still there."""
+    try:
+        parent = psutil.Process(popen.pid)
+        processes = [*parent.children(recursive=True), parent]
+    except psutil.NoSuchProcess:
+        processes = []
+    for process in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    popen.wait()

@@ -24,6 +24,7 @@ import pytest
 import redis
 
 from hypnos_site.config import BASE_DIR, load_config
+from tests.e2e.playground import artifacts as artifacts  # the browser tests' screenshot folder (a fixture)
 
 REDIS_URL = os.environ.get("HYPNOS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 POSTGRES_ADMIN_URL = os.environ.get("HYPNOS_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")

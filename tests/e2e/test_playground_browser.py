@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.playground import SLOW_MS, artifacts, browser_page, open_panel, screenshot, show_panel  # noqa: F401
+from tests.e2e.playground import SLOW_MS, browser_page, open_panel, screenshot, show_panel
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -75,7 +75,7 @@ def test_it_serves_the_page_to_browsers_and_ollamas_answer_to_everyone_else(embe
     assert head.status_code == 200 and head.content == b""
 
 
-def test_a_chat_streams_tokens_into_the_page_and_stop_ends_the_generation(embedded, artifacts):  # noqa: F811
+def test_a_chat_streams_tokens_into_the_page_and_stop_ends_the_generation(embedded, artifacts):
     with browser_page(embedded.base_url, local_storage={"hypnos.key": KEY}) as page:
         sent: list[tuple[str, str | None]] = []
         page.on("request", lambda request: sent.append((request.url, request.headers.get("authorization"))))
@@ -120,7 +120,7 @@ def test_a_chat_streams_tokens_into_the_page_and_stop_ends_the_generation(embedd
         assert not any(KEY in url for url, _ in sent)
 
 
-def test_an_answer_shows_its_telemetry_strip(embedded, artifacts):  # noqa: F811
+def test_an_answer_shows_its_telemetry_strip(embedded, artifacts):
     with browser_page(embedded.base_url) as page:
         panel = open_panel(page, embedded.base_url, "chat")
         panel.get_by_label("Model", exact=True).select_option(CHAT_MODEL)
@@ -143,7 +143,7 @@ def test_an_answer_shows_its_telemetry_strip(embedded, artifacts):  # noqa: F811
         screenshot(page, artifacts, "chat")
 
 
-def test_a_tool_call_and_a_json_mode_answer_show_in_the_chat(embedded, artifacts):  # noqa: F811
+def test_a_tool_call_and_a_json_mode_answer_show_in_the_chat(embedded, artifacts):
     with browser_page(embedded.base_url) as page:
         panel = open_panel(page, embedded.base_url, "chat")
         panel.get_by_label("Model", exact=True).select_option(TOOL_MODEL)
@@ -173,7 +173,7 @@ def test_a_tool_call_and_a_json_mode_answer_show_in_the_chat(embedded, artifacts
         screenshot(page, artifacts, "chat-json")
 
 
-def test_entity_spans_are_highlighted_by_label_with_their_scores(embedded, artifacts):  # noqa: F811
+def test_entity_spans_are_highlighted_by_label_with_their_scores(embedded, artifacts):
     with browser_page(embedded.base_url) as page:
         panel = open_panel(page, embedded.base_url, "entities")
         expect(panel).to_have_attribute("data-available", "true")
@@ -197,7 +197,7 @@ def test_entity_spans_are_highlighted_by_label_with_their_scores(embedded, artif
         screenshot(page, artifacts, "entities")
 
 
-def test_the_tier_view_shows_a_model_a_request_in_another_panel_loads(embedded, artifacts):  # noqa: F811
+def test_the_tier_view_shows_a_model_a_request_in_another_panel_loads(embedded, artifacts):
     # From a known start: the entity model on disk, whatever the tests before this one did.
     move(embedded.base_url, ENTITY_MODEL, "tier3_nvme_ssd")
     with browser_page(embedded.base_url) as page:
@@ -231,7 +231,7 @@ def test_the_tier_view_shows_a_model_a_request_in_another_panel_loads(embedded, 
         assert memory_model(embedded.base_url, ENTITY_MODEL)["current_tier"] == "tier2_pinned_ram"
 
 
-def test_the_tabs_work_from_the_keyboard_and_every_control_has_a_label(embedded, artifacts):  # noqa: F811
+def test_the_tabs_work_from_the_keyboard_and_every_control_has_a_label(embedded, artifacts):
     with browser_page(embedded.base_url) as page:
         open_panel(page, embedded.base_url, "chat")
         page.get_by_role("tab", name="Chat").focus()
@@ -252,7 +252,7 @@ def test_the_tabs_work_from_the_keyboard_and_every_control_has_a_label(embedded,
         screenshot(page, artifacts, "shell")
 
 
-def test_the_page_calls_the_api_under_a_reverse_proxy_prefix(embedded, artifacts):  # noqa: F811
+def test_the_page_calls_the_api_under_a_reverse_proxy_prefix(embedded, artifacts):
     # A proxy serving the server under /hypnos/, stripping the prefix: the page's API calls must
     # keep it (relative URLs), or they would miss the proxy.
     with browser_page(embedded.base_url) as page:
@@ -268,3 +268,22 @@ def test_the_page_calls_the_api_under_a_reverse_proxy_prefix(embedded, artifacts
         expect(panel).to_have_attribute("data-available", "true")
         expect(panel.locator(f'[data-model="{CHAT_MODEL}"]')).to_be_visible()
         assert any(url.endswith("/hypnos/v1/memory/status") for url in proxied)
+
+
+def test_the_admin_is_styled_under_daphne(embedded, artifacts):
+    """/static/ answers under daphne (WhiteNoise, hypnos_site/static_files.py), so the admin's
+    pages are drawn with Django's styles: the header painted, the login form laid out."""
+    with browser_page(embedded.base_url) as page:
+        failed: list[str] = []
+        page.on("response", lambda response: failed.append(response.url) if response.status >= 400 else None)
+        page.goto(f"{embedded.base_url}/admin/login/")
+        header = page.locator("#header")
+        expect(header).to_be_visible()
+        # base.css paints the header (--header-bg); unstyled, it is transparent.
+        background = header.evaluate("element => getComputedStyle(element).backgroundColor")
+        assert background not in ("rgba(0, 0, 0, 0)", "transparent"), background
+        # login.css centres the form in a box of fixed width; unstyled, it spans the page.
+        width = page.locator("#container").evaluate("element => element.getBoundingClientRect().width")
+        assert width < 1280 / 2, width
+        assert not failed, failed
+        screenshot(page, artifacts, "admin-login")

@@ -20,7 +20,6 @@ from PIL import Image
 from tests import documents
 from tests.e2e.conftest import Server
 from tests.e2e.playground import SLOW_MS, browser_page, open_panel, screenshot
-from tests.e2e.playground import artifacts as artifacts  # the fixture, for pytest to find
 
 # Each test loads the models of its panel (docling, or Whisper, the chat model and Piper) on a
 # machine that may be busy: more than the suite's 240 s per test.

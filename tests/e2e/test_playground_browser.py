@@ -15,7 +15,9 @@ import pytest
 
 from tests.e2e.playground import SLOW_MS, browser_page, open_panel, screenshot, show_panel
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+# Each test loads the models of its panel and waits on a few of their answers, each bounded by
+# SLOW_MS on a machine that may be busy: more than the suite's 240 s per test.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 CHAT_MODEL = "smollm2-135m"
 TOOL_MODEL = "qwen2.5-coder-1.5b"
@@ -197,11 +199,27 @@ def test_entity_spans_are_highlighted_by_label_with_their_scores(embedded, artif
         screenshot(page, artifacts, "entities")
 
 
-def test_the_tier_view_shows_a_model_a_request_in_another_panel_loads(embedded, artifacts):
-    # From a known start: the entity model on disk, whatever the tests before this one did.
+def test_the_tier_view_shows_a_model_a_request_in_another_panel_loads_and_the_one_it_evicts(embedded, artifacts):
+    # From a known start, whatever the tests before this one did: the entity model on disk, the
+    # chat model in VRAM, and tier 1 capped at one model (Lemonade's max_loaded_models), so the
+    # entity model's load evicts the chat model.
     move(embedded.base_url, ENTITY_MODEL, "tier3_nvme_ssd")
-    with browser_page(embedded.base_url) as page:
-        tiers = open_panel(page, embedded.base_url, "tiers")
+    move(embedded.base_url, CHAT_MODEL, "tier1_gpu_vram")
+    set_max_loaded_models(embedded.base_url, 1)
+    try:
+        tier_view_through_a_load(embedded.base_url, artifacts)
+    finally:
+        set_max_loaded_models(embedded.base_url, None)
+
+
+def set_max_loaded_models(base_url: str, count: int | None) -> None:
+    answer = httpx.post(f"{base_url}/internal/set", json={"max_loaded_models": count}, timeout=30)
+    assert answer.status_code == 200 and answer.json()["max_loaded_models"] == count, answer.text
+
+
+def tier_view_through_a_load(base_url: str, artifacts: Any) -> None:
+    with browser_page(base_url) as page:
+        tiers = open_panel(page, base_url, "tiers")
         disk = tiers.locator('.tier-column[data-tier="tier3_nvme_ssd"]')
         vram = tiers.locator('.tier-column[data-tier="tier1_gpu_vram"]')
         expect(tiers.locator(f'.tier-column [data-model="{CHAT_MODEL}"]')).to_be_visible()
@@ -219,6 +237,10 @@ def test_the_tier_view_shows_a_model_a_request_in_another_panel_loads(embedded, 
         expect(card).to_be_visible()
         expect(card.locator(".moved-note")).to_have_text("moved here from disk")
         expect(disk.locator(f'[data-model="{ENTITY_MODEL}"]')).to_have_count(0)
+        # The model it evicted left VRAM, and the evictions list says why and for whom.
+        expect(vram.locator(f'[data-model="{CHAT_MODEL}"]')).to_have_count(0)
+        evicted = tiers.locator(f'.evictions li[data-model="{CHAT_MODEL}"]').first
+        expect(evicted).to_contain_text(f"for {ENTITY_MODEL}: max_loaded_models")
         expect(tiers.locator('[data-budget="tier1_gpu_vram"] [role="meter"]')).to_have_attribute(
             "aria-valuenow", re.compile(r"^[1-9]\d*$")
         )
@@ -228,7 +250,7 @@ def test_the_tier_view_shows_a_model_a_request_in_another_panel_loads(embedded, 
         card.get_by_role("button", name=f"Demote {ENTITY_MODEL} to RAM").click()
         ram_card = tiers.locator(f'.tier-column[data-tier="tier2_pinned_ram"] [data-model="{ENTITY_MODEL}"]')
         expect(ram_card).to_be_visible()
-        assert memory_model(embedded.base_url, ENTITY_MODEL)["current_tier"] == "tier2_pinned_ram"
+        assert memory_model(base_url, ENTITY_MODEL)["current_tier"] == "tier2_pinned_ram"
 
 
 def test_the_tabs_work_from_the_keyboard_and_every_control_has_a_label(embedded, artifacts):
@@ -266,7 +288,7 @@ def test_the_page_calls_the_api_under_a_reverse_proxy_prefix(embedded, artifacts
         page.goto(f"{embedded.base_url}/hypnos/#tiers")
         panel = page.locator("#panel-tiers")
         expect(panel).to_have_attribute("data-available", "true")
-        expect(panel.locator(f'[data-model="{CHAT_MODEL}"]')).to_be_visible()
+        expect(panel.locator(f'.tier-column [data-model="{CHAT_MODEL}"]')).to_be_visible()
         assert any(url.endswith("/hypnos/v1/memory/status") for url in proxied)
 
 

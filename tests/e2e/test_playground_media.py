@@ -23,7 +23,7 @@ from tests.e2e.playground import SLOW_MS, browser_page, open_panel, screenshot
 
 # Each test loads the models of its panel (docling, or Whisper, the chat model and Piper) on a
 # machine that may be busy: more than the suite's 240 s per test.
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 GAN = "dcgan-faces"
 # A document's first page waits for docling to load; every scanned page is OCR'd (~2 s each).
 CONVERSION_MS = 300_000
@@ -170,7 +170,7 @@ def test_a_voice_turn_from_the_fake_microphone_is_answered_aloud(embedded: Serve
         )
         record.press("Enter")  # "Stop and send", from the keyboard
         status = panel.locator(".voice-status")
-        expect(status).to_have_text(re.compile(r"Done\.|failed"), timeout=3 * SLOW_MS)
+        expect(status).to_have_text(re.compile(r"Done\.|failed"), timeout=2 * SLOW_MS)
         assert status.inner_text() == "Done.", status.inner_text()
 
         heard = panel.locator(".voice-transcript").inner_text()

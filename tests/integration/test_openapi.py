@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,7 +70,13 @@ def _routes(patterns: list[Any], prefix: str = "") -> list[str]:
 
 def _spec_block(words: str) -> str:
     """The one `json` code block of the spec that holds `words`, without a leading
-    `METHOD /path` line."""
+    `METHOD /path` line. Without the spec beside the checkout the test skips, and fails under CI,
+    where ../shared is always there."""
+    if not SPEC.is_file():
+        missing = f"the spec is not beside this checkout ({SPEC})"
+        if os.environ.get("CI"):
+            pytest.fail(missing)
+        pytest.skip(missing)
     blocks = re.findall(r"^json\n(.*?)(?:\n\n|\Z)", SPEC.read_text(), flags=re.M | re.S)
     matching = [block for block in blocks if words in block]
     assert len(matching) == 1, f"{len(matching)} spec examples hold {words!r}"
@@ -167,7 +174,6 @@ def test_the_schema_is_openapi_3_1_with_valid_json_schemas(schema):
     assert schema["servers"] == [{"url": "/"}]
 
 
-@pytest.mark.skipif(not SPEC.is_file(), reason="the spec is not beside this checkout (../shared/spec)")
 @pytest.mark.parametrize(("path", "method", "words"), REQUEST_EXAMPLES)
 def test_the_spec_request_examples_validate(schema, path, method, words):
     body = _spec_block(words)
@@ -176,7 +182,6 @@ def test_the_spec_request_examples_validate(schema, path, method, words):
     assert _errors(_validator(schema, content), _first_json(body)) == []
 
 
-@pytest.mark.skipif(not SPEC.is_file(), reason="the spec is not beside this checkout (../shared/spec)")
 @pytest.mark.parametrize("words", MESSAGE_EXAMPLES)
 def test_the_spec_chat_message_examples_validate(schema, words):
     messages = _json_objects(_spec_block(words))
@@ -185,7 +190,6 @@ def test_the_spec_chat_message_examples_validate(schema, words):
     assert [_errors(validator, message) for message in messages] == [[] for _ in messages]
 
 
-@pytest.mark.skipif(not SPEC.is_file(), reason="the spec is not beside this checkout (../shared/spec)")
 @pytest.mark.parametrize("words", ERROR_EXAMPLES)
 def test_the_spec_error_examples_validate_against_the_envelope(schema, words):
     validator = _validator(schema, {"$ref": "#/components/schemas/ErrorResponse"})

@@ -58,7 +58,7 @@ ENTITY_DISCONNECT_SECS = 2.0
 SLOW_REQUEST_SECS = 300.0
 CHAT_MODEL = "smollm2-135m"
 ENTITY_MODEL = "qwen2.5-coder-0.5b"
-RATE = 24_000  # the Realtime API's pcm16 rate (inference/realtime.py)
+RATE = 24_000  # the Realtime API's pcm16 rate (inference/web/openai/realtime.py)
 
 
 def write_config(directory: Path) -> Path:

@@ -268,7 +268,7 @@ def prepared_here(engine: Any, limits: LimitsConfig) -> Any:
 def chat_direct(engine: Any, model: ModelConfig, limits: LimitsConfig) -> Call:
     """ChatExtractor on the loaded engine, as serve_entities drives it: every text prepared,
     then extracted one by one; the time of the extraction loop as the worker's inference_ms."""
-    from inference.wire import EntityWork
+    from inference.transport.wire import EntityWork
     from inference.worker.entities import ChatExtractor
 
     def call(texts: list[str]) -> tuple[list[list[Found]], float | None]:
@@ -420,7 +420,7 @@ def add_encoder_work(graph_path: Path, layers: int) -> None:
 def known_gliner_spans(settings: Settings) -> list[list[Found]]:
     """Each text's answer from the builder's own scores (tests/gliner_graph.py computes them in
     plain Python), made flat or nested as the engine makes it."""
-    from inference.entities import select_spans
+    from inference.transport.entities import select_spans
     from tests.gliner_graph import span_candidates, token_candidates
 
     def candidates(text: str) -> list[Any]:

@@ -29,7 +29,7 @@ django.setup()
 
 from django.conf import settings  # noqa: E402
 
-from inference.wire import Done, EngineRequest, Error, GenerateWork  # noqa: E402
+from inference.transport.wire import Done, EngineRequest, Error, GenerateWork  # noqa: E402
 from inference.worker import Worker  # noqa: E402
 from memory.tiers import MemoryTier  # noqa: E402
 

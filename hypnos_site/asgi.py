@@ -15,7 +15,7 @@ django_application = get_asgi_application()
 from django.conf import settings  # noqa: E402
 
 if settings.HYPNOS.server.deployment == "embedded":
-    from inference.runtime import runtime
+    from inference.transport.runtime import runtime
     from models_registry.overlay import with_overlay
 
     # The pool: the config file's models with the run-time changes kept in the database.
@@ -23,8 +23,8 @@ if settings.HYPNOS.server.deployment == "embedded":
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
-from inference.middleware import RealtimeOriginValidator  # noqa: E402
-from inference.realtime import websocket_urlpatterns  # noqa: E402
+from inference.web.common.middleware import RealtimeOriginValidator  # noqa: E402
+from inference.web.openai.realtime import websocket_urlpatterns  # noqa: E402
 
 # WS /v1/realtime (realtime transcription) beside every HTTP route; its handshake passes the
 # Host and Origin checks of the HTTP routes (a page may open a WebSocket to any origin).

@@ -2,7 +2,7 @@
 
 Distributed: `./run.sh jobs` starts `celery -A hypnos_site worker` on the Redis broker, and the
 web processes send it jobs. Embedded: there is no broker and no Redis; the same tasks run eagerly
-inside the server process (each on a thread of its own, inference/jobs.py). Either way the task's
+inside the server process (each on a thread of its own, inference/jobs/feed.py). Either way the task's
 state and result are stored in the database through django-celery-results, and the task reaches
 the inference worker through the process's InferenceClient, like a view."""
 
@@ -17,4 +17,5 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hypnos_site.settings")
 app = Celery("hypnos_site")
 # The CELERY_* names of the Django settings (hypnos_site/settings.py).
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks()
+# The tasks live in inference/jobs/tasks.py (the Celery worker's package), not an app's tasks.py.
+app.autodiscover_tasks(["inference.jobs"])

@@ -185,7 +185,7 @@ class LimitsConfig(_Strict):
     # of alternatives and enum values), the properties of one object (llama-cpp-python's
     # converter is quadratic in optional ones), the deepest nesting of sub-schemas, the largest
     # GBNF text. libllama refuses a repetition above 1000 (and its sampler is then NULL) and
-    # overflows its stack near 16000 nested groups (inference/grammar_limits.py).
+    # overflows its stack near 16000 nested groups (inference/web/common/grammar_limits.py).
     max_grammar_repetition: int = Field(default=1000, ge=1)
     max_grammar_properties: int = Field(default=100, ge=1)
     max_grammar_depth: int = Field(default=32, ge=1)

@@ -74,7 +74,7 @@ class CappedWebRequest(_OriginalWebRequest):
     def basic_error(self, status: int, status_text: bytes, body: str) -> None:
         """daphne's own refusals (an invalid header, path or query string; an application that
         failed or timed out) in the envelope instead of an HTML page."""
-        from inference.middleware import new_request_id  # here: it imports Django, set up by then
+        from inference.web.common.middleware import new_request_id  # here: it imports Django, set up by then
 
         kind = "invalid_request_error" if status < 500 else "server_error"
         headers = [(b"Content-Type", b"application/json"), (b"x-request-id", new_request_id().encode())]
@@ -105,7 +105,7 @@ def _envelope(message: str, kind: str) -> bytes:
 
 
 def _response(status: bytes, body: bytes, media: bytes) -> bytes:
-    from inference.middleware import new_request_id  # here: it imports Django, set up by then
+    from inference.web.common.middleware import new_request_id  # here: it imports Django, set up by then
 
     head = [
         b"HTTP/1.1 " + status,

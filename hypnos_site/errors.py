@@ -1,7 +1,7 @@
 """The one choke point for errors: typed exceptions and their mapping to the spec's envelope.
 
-Engines and the worker raise these; they travel between processes as inference.wire's `Error`
-event (`Error.of` / `Error.exception`); the DRF exception handler and inference/serving/render.py
+Engines and the worker raise these; they travel between processes as inference.transport.wire's `Error`
+event (`Error.of` / `Error.exception`); the DRF exception handler and inference/web/common/render.py
 write them as `{"error": {"message", "type", "param", "code"}}` (compat.md) with the spec's status.
 """
 
@@ -290,3 +290,13 @@ def uncaught_response(request: HttpRequest, exc: BaseException | None) -> HttpRe
         response._has_been_logged = True  # type: ignore[attr-defined]  # django.utils.log.log_response
         return response
     return ServerError("internal error").response()
+
+
+class OllamaModelNotFound(HypnosError):
+    """Ollama's 404 for a name it cannot resolve, in its words."""
+
+    status = 404
+    type = "model_not_found"
+
+    def __init__(self, name: str):
+        super().__init__(f"model '{name}' not found", param="model")

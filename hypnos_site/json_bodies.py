@@ -1,6 +1,6 @@
 """How much a JSON body may hold, counted on its text before anything is built (issue 35).
 
-Both readers of a request's JSON use it: the routes' parser (inference/parsers.py, which answers
+Both readers of a request's JSON use it: the routes' parser (inference/web/common/parsers.py, which answers
 a 400) and the request log (logs/capture.json_body, which then logs no body), so a body past
 the limits is never turned into Python objects, not even once.
 """

@@ -39,7 +39,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from inference.deadline import within
+from inference.transport.deadline import within
 from models_registry.shared_state import LoopRedis, is_distributed, shared_redis, state_key
 
 log = logging.getLogger(__name__)
@@ -472,7 +472,7 @@ def django_registry() -> prometheus_client.CollectorRegistry:
 
 
 async def worker_status() -> dict[str, Any] | None:
-    from inference.runtime import get_client
+    from inference.transport.runtime import get_client
 
     try:
         return await within(get_client().control("memory_status"), WORKER_STATUS_TIMEOUT_SECS)

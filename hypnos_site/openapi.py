@@ -29,8 +29,14 @@ from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 
 from hypnos_site import __version__, metrics
-from inference import anthropic_views, ollama_views, protocol, protocol_anthropic, protocol_media, protocol_ollama
-from inference import views as inference_views
+from inference.web.anthropic import protocol as protocol_anthropic
+from inference.web.anthropic import views as anthropic_views
+from inference.web.lemonade import protocol as protocol_lemonade
+from inference.web.lemonade import views as lemonade_views
+from inference.web.ollama import protocol as protocol_ollama
+from inference.web.ollama import views as ollama_views
+from inference.web.openai import protocol, protocol_media
+from inference.web.openai import views as inference_views
 from logs import views as log_views
 from models_registry import key_views
 from models_registry.api_view import APIView
@@ -146,9 +152,9 @@ BODIES: dict[object, Body] = {
         answers=(JSON, SSE),
         streams="With `stream: true`, server-sent events: one per page as it is converted, then the document.",
     ),
-    inference_views.LemonadeLoadView: Body(protocol.LemonadeLoadRequest),
-    inference_views.LemonadePullView: Body(
-        protocol.LemonadePullRequest,
+    lemonade_views.LemonadeLoadView: Body(protocol_lemonade.LemonadeLoadRequest),
+    lemonade_views.LemonadePullView: Body(
+        protocol_lemonade.LemonadePullRequest,
         answers=(JSON, SSE),
         streams="With `stream: true`, server-sent events `progress` (per file), then `complete` or `error`.",
     ),

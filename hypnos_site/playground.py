@@ -12,8 +12,8 @@ from django.shortcuts import render
 from django.utils.cache import patch_vary_headers
 from django.views.decorators.csrf import csrf_exempt
 
-from inference import ollama_views
-from inference.serving.render import ollama_error
+from inference.web.common.render import ollama_error
+from inference.web.ollama import views as ollama_views
 
 
 @csrf_exempt

@@ -113,7 +113,7 @@ def main() -> None:
         def server_class(self, *a: Any, **kw: Any) -> DrainingServer:  # type: ignore[override]
             return DrainingServer(*a, drain_secs=drain_secs, **kw)
 
-    # -v 0: no access log of daphne's own; inference.middleware writes one line per request on
+    # -v 0: no access log of daphne's own; inference.web.common.middleware writes one line per request on
     # `hypnos.access` (plain or JSON, server.log_format).
     Cli().run(["-v", "0", "--application-close-timeout", "30", *args])
 

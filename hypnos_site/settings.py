@@ -79,10 +79,10 @@ MIDDLEWARE = [
     # above the accounting middleware (not last, as its docs suggest) to see the 429 and 403
     # answers that never reach a view.
     "hypnos_site.metrics.PrometheusBeforeMiddleware",
-    "inference.middleware.RequestIdMiddleware",
+    "inference.web.common.middleware.RequestIdMiddleware",
     # Host, Origin and content type: what keeps a web page from using the API (spec §1).
-    "inference.middleware.BrowserGuardMiddleware",
-    "inference.middleware.BodyLimitMiddleware",
+    "inference.web.common.middleware.BrowserGuardMiddleware",
+    "inference.web.common.middleware.BodyLimitMiddleware",
     "corsheaders.middleware.CorsMiddleware",
     "hypnos_site.metrics.PrometheusAfterMiddleware",
     # Per-key limits, token charges, hypnos_* counters and the request log; inside CORS, so its
@@ -188,8 +188,8 @@ FILE_UPLOAD_MAX_MEMORY_SIZE = 8 << 20
 
 REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    # JSON nested at most 64 deep (inference/parsers.py).
-    "DEFAULT_PARSER_CLASSES": ["inference.parsers.JSONParser"],
+    # JSON nested at most 64 deep (inference/web/common/parsers.py).
+    "DEFAULT_PARSER_CLASSES": ["inference.web.common.parsers.JSONParser"],
     "DEFAULT_AUTHENTICATION_CLASSES": ["models_registry.authentication.ApiKeyAuthentication"],
     "DEFAULT_PERMISSION_CLASSES": ["models_registry.authentication.HasApiKeyWhenRequired"],
     "EXCEPTION_HANDLER": "hypnos_site.errors.exception_handler",

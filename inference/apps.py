@@ -14,19 +14,19 @@ class ServingPool:
     serving modules need the settings it is called after."""
 
     def models(self) -> list[ModelConfig]:
-        from inference.serving.pool import pool
+        from inference.web.common.pool import pool
 
         return pool.models()
 
     async def add_model(self, body: dict[str, Any]) -> dict[str, Any]:
-        from inference.runtime import get_client
-        from inference.serving.pool import add_model
+        from inference.transport.runtime import get_client
+        from inference.web.common.pool import add_model
 
         return await add_model(get_client(), body)
 
     async def remove_model(self, model_id: str, drain_secs: object) -> dict[str, Any]:
-        from inference.runtime import get_client
-        from inference.serving.pool import remove_model
+        from inference.transport.runtime import get_client
+        from inference.web.common.pool import remove_model
 
         return await remove_model(get_client(), model_id, drain_secs)
 

@@ -133,7 +133,7 @@ class StoredPicture(models.Model):
 
 
 class JobRow(models.Model):
-    """What every long job's row holds (inference/jobs.py reads and writes these): its state,
+    """What every long job's row holds (inference/jobs/feed.py reads and writes these): its state,
     who asked, the cancel flag a client that left sets, the error, and its times."""
 
     STATES = [(s, s) for s in ("queued", "running", "done", "failed", "cancelled")]
@@ -144,7 +144,7 @@ class JobRow(models.Model):
     # The label of the API key that asked ("" with no keys configured).
     owner = models.CharField(max_length=100, blank=True)
     state = models.CharField(max_length=12, choices=STATES, default="queued")
-    # What the request asked for (the job's spec model, inference/document_job.py, image_job.py).
+    # What the request asked for (the job's spec model, inference/jobs/documents.py, inference/jobs/images.py).
     spec = models.JSONField(default=dict)
     # Set by the web process when the client left; the job stops at its next unit of work.
     cancel_requested = models.BooleanField(default=False)

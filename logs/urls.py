@@ -6,7 +6,7 @@ from logs.pictures import DOCUMENT_ID_PATTERN
 
 class DocumentIdConverter:
     """A picture store id, exactly: anything else (`documents/convert`, `..`) is not this app's
-    route and falls through to inference.urls."""
+    route and falls through to inference.web.openai.urls."""
 
     regex = DOCUMENT_ID_PATTERN
 

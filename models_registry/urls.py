@@ -1,4 +1,4 @@
-"""The key routes on /v1 (issue 17), included before inference.urls, whose last pattern answers
+"""The key routes on /v1 (issue 17), included before inference.web.openai.urls, whose last pattern answers
 every other /v1 path with a 404."""
 
 from django.urls import path

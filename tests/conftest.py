@@ -41,6 +41,6 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
     finally:
         if _last_worker_user and item.nodeid == _last_worker_user[0]:
-            from inference.runtime import runtime
+            from inference.transport.runtime import runtime
 
             runtime.release()

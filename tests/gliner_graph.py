@@ -37,7 +37,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
-from inference.entities import Span
+from inference.transport.entities import Span
 
 ENT = "<<ENT>>"
 SEP = "<<SEP>>"

@@ -15,9 +15,9 @@ from typing import Any, Protocol
 from pydantic import ConfigDict, InstanceOf
 
 from hypnos_site.config import LimitsConfig, ModelConfig
-from inference.entities import Span
-from inference.transcripts import Transcript
-from inference.wire import GenerateWork
+from inference.transport.entities import Span
+from inference.transport.transcripts import Transcript
+from inference.transport.wire import GenerateWork
 from memory.kv_park import ParkedState
 from memory.planner import Footprint
 
@@ -329,7 +329,7 @@ class Engine(ABC):
         self, texts: list[str], labels: list[str], threshold: float, flat: bool, cancel: threading.Event
     ) -> list[list[Span]]:
         """Zero-shot entities (spec §13): for each text, its spans of the given labels scoring at
-        least `threshold`, flat or nested (inference.entities.select_spans), offsets in the
+        least `threshold`, flat or nested (inference.transport.entities.select_spans), offsets in the
         text's characters. More labels than a family and texts longer than a window are the
         engine's to split and merge."""
         raise NotImplementedError(f"{type(self).__name__} does not serve entity extraction")

@@ -17,7 +17,7 @@ How a request runs, as GLiNER's own pipeline does (gliner/data_processing, gline
   (max_len words, and the TOKEN_LIMIT tokens the encoder takes with the prompt) runs in
   overlapping windows; the windows of a family go through the graph BATCH_WINDOWS at a time;
 - scores are the logits' sigmoid; a span is a candidate at `threshold` or above, and
-  inference.entities.select_spans makes the answer from every family's and window's candidates.
+  inference.transport.entities.select_spans makes the answer from every family's and window's candidates.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from hypnos_site.config import ModelConfig
 from hypnos_site.errors import Cancelled, ModelNotAvailable
 from inference.engines.base import Engine, LoadPhases
 from inference.engines.onnx_session import open_session
-from inference.entities import CANDIDATES_PER_WORD, Span, best_candidates, label_families, select_spans
+from inference.transport.entities import CANDIDATES_PER_WORD, Span, best_candidates, label_families, select_spans
 from memory.planner import Footprint, footprint_from_files
 
 # Estimated from the activations of a base-size export (768 wide, DeBERTa-v3's disentangled

@@ -25,8 +25,8 @@ from inference.engines.llama_offload import ExpertOffloadModel, expert_pattern
 from inference.engines.llama_slots import SlotJob, SlotScheduler, seq_state, set_seq_state
 from inference.engines.text import StopMatcher
 from inference.engines.thinking import FORCED_CLOSE, OPEN, ThinkBlock
-from inference.engines.tools import call_schema, forced_tools, parse_tool_calls
 from inference.engines.vision import Projector
+from inference.transport.tools import call_schema, forced_tools, parse_tool_calls
 from memory.gguf import read_gguf
 from memory.kv_park import ParkedSlot, ParkedState
 from memory.planner import Footprint, footprint_from_info

@@ -16,8 +16,8 @@ from hypnos_site.config import LimitsConfig
 from hypnos_site.errors import DeviceOutOfMemory, InvalidRequest
 from inference.engines.base import DeltaSink
 from inference.engines.thinking import ThinkBlock
-from inference.engines.tools import may_become_call
-from inference.grammar_limits import check_schema
+from inference.transport.tools import may_become_call
+from inference.web.common.grammar_limits import check_schema
 
 
 class AnswerOutput:

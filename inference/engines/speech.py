@@ -119,7 +119,7 @@ class PiperFamily(Voice):
 
 class KokoroFamily(Voice):
     """Kokoro-82M through `kokoro-onnx` (24 kHz). Needs its weights, which no registry carries,
-    so it runs on a box that has them (see README: engines)."""
+    so it runs on a box that has them (see docs/engines.md)."""
 
     def __init__(self, graph: str, voices: Path):
         try:

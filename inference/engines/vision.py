@@ -15,7 +15,7 @@ from llama_cpp._logger import llama_log_callback
 from PIL import Image, UnidentifiedImageError
 
 from hypnos_site.errors import ContextLengthExceeded, InvalidRequest, ModelNotAvailable, ServerError
-from inference.protocol import IMAGE_MARKER
+from inference.transport.wire import IMAGE_MARKER
 
 # Prompt positions holding image embeddings carry this id in the context's token list, so a
 # later text-only prompt never takes them for cached text.

@@ -18,7 +18,7 @@ from faster_whisper import WhisperModel
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import Cancelled, InvalidRequest, ModelNotAvailable
 from inference.engines.base import Engine, LoadPhases, TranscribeOptions
-from inference.transcripts import Segment, Transcript, Word
+from inference.transport.transcripts import Segment, Transcript, Word
 from memory.planner import Footprint, footprint_from_files
 
 # Measured on Whisper tiny.en int8 (2-core CPU): the process grows ~80 MB beyond the weights

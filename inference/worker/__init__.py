@@ -4,5 +4,5 @@ from __future__ import annotations
 
 from inference.worker.core import Worker
 
-# The embedded deployment's worker is inference.runtime's (`runtime.embedded_worker()`).
+# The embedded deployment's worker is inference.transport.runtime's (`runtime.embedded_worker()`).
 __all__ = ["Worker"]

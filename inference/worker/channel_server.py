@@ -2,10 +2,10 @@
 
 Every running request's reply channel gets a `heartbeat` whenever HEARTBEAT_SECS pass with
 nothing else sent, so the web process tells a slow engine from a dead worker
-(inference/client.py REPLY_DEADLINE_SECS). A reply that cannot be sent (Redis gone) stops the
+(inference/transport/client.py REPLY_DEADLINE_SECS). A reply that cannot be sent (Redis gone) stops the
 request: nobody could read the rest.
 
-With several workers (inference/cluster.py) each announces itself in Redis while it serves; the
+With several workers (inference/transport/cluster.py) each announces itself in Redis while it serves; the
 web processes route a request to one worker's own channel, and the shared channel takes what is
 sent before any announcement. On SIGTERM the worker withdraws its announcement and stops taking
 requests, lets the running ones finish (up to DRAIN_SECS), then stops.
@@ -24,10 +24,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from hypnos_site.errors import InvalidRequest
-from inference.client import REQUEST_CHANNEL
-from inference.cluster import ANNOUNCE_SECS, Announcer, running_elsewhere
-from inference.deadline import within
-from inference.wire import (
+from inference.transport.client import REQUEST_CHANNEL
+from inference.transport.cluster import ANNOUNCE_SECS, Announcer, running_elsewhere
+from inference.transport.deadline import within
+from inference.transport.wire import (
     TERMINAL,
     Accepted,
     Delta,

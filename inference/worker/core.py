@@ -1,6 +1,6 @@
 """The inference worker: holds the engines, admits requests, moves models between the tiers.
 
-It is transport-agnostic: `submit` takes a typed request (inference/wire.py) and a `sink`
+It is transport-agnostic: `submit` takes a typed request (inference/transport/wire.py) and a `sink`
 callable that receives the typed events (`Started`, `Delta`, `Done`, `Error`) from any thread. The in-process
 transport and `manage.py runinference` both drive this same object. The tier decisions are the
 TierManager's (memory/); this module carries them out with the engines.
@@ -30,7 +30,7 @@ from hypnos_site.errors import (
     ServerError,
 )
 from inference.engines.base import ChatWork, Engine
-from inference.wire import (
+from inference.transport.wire import (
     ControlRequest,
     Delta,
     DocumentWork,
@@ -173,7 +173,7 @@ class Worker:
         return self.reports.worker_id
 
     def announcement(self, channel: str, draining: bool = False) -> WorkerAnnouncement:
-        """What the channel server announces of this worker (inference/cluster.py)."""
+        """What the channel server announces of this worker (inference/transport/cluster.py)."""
         return self.reports.announcement(channel, draining)
 
     def move(self, name: str, target: MemoryTier, context_len: int | None) -> Placement:

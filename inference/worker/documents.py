@@ -6,7 +6,7 @@ outside the document, more pages than limits.max_document_pages) happens before 
 the client gets its HTTP status; after that a conversion only ends early when it is cancelled
 (the client left: the engine stops before its next page) or the engine fails. Pictures go to
 the request's picture_dir as PNG files, not inline: a page's pictures can exceed what one
-channel-layer message carries. The job that asked (inference/jobs.py) removes them."""
+channel-layer message carries. The job that asked (inference/jobs/feed.py) removes them."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import InvalidRequest
-from inference.wire import DocumentOpened, DocumentPage, DocumentWork, Done, PictureFile, Started
+from inference.transport.wire import DocumentOpened, DocumentPage, DocumentWork, Done, PictureFile, Started
 
 if TYPE_CHECKING:
     from inference.engines.document import DoclingEngine, PageResult

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 from hypnos_site.config import LimitsConfig, ModelConfig
 from hypnos_site.errors import Cancelled, InvalidRequest
 from inference.engines.base import ChatWork
-from inference.entities import CANDIDATES_PER_WORD, Span, best_candidates, select_spans
-from inference.wire import Done, EntitiesFound, EntityWork, Started, Usage
+from inference.transport.entities import CANDIDATES_PER_WORD, Span, best_candidates, select_spans
+from inference.transport.wire import Done, EntitiesFound, EntityWork, Started, Usage
 
 if TYPE_CHECKING:
     from inference.engines.base import Engine

@@ -23,7 +23,7 @@ from PIL import Image
 from hypnos_site.config import ImageConfig, ModelConfig
 from hypnos_site.errors import Cancelled, InvalidRequest
 from inference.engines.base import ImageSpec
-from inference.wire import Done, ImageReady, ImageStep, ImageWork, Started
+from inference.transport.wire import Done, ImageReady, ImageStep, ImageWork, Started
 
 if TYPE_CHECKING:
     from inference.engines.base import Engine

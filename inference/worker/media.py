@@ -2,7 +2,7 @@
 
 They run on the chat path's machinery (admission, the model's slot, a lease, `ensure_tier1`,
 eviction, telemetry); this module holds what differs: the work each op carries, how it drives
-its engine, and the events it sends back (inference/wire.py). Vectors and audio go as bytes in
+its engine, and the events it sends back (inference/transport/wire.py). Vectors and audio go as bytes in
 events of bounded size (the channel layer caps a message near 1 MB), and a large upload comes as
 a spool file path instead of inline bytes."""
 
@@ -20,8 +20,8 @@ import numpy as np
 
 from hypnos_site.config import ModelConfig
 from hypnos_site.errors import Cancelled, DeviceOutOfMemory, InvalidRequest
-from inference.transcripts import Transcript
-from inference.wire import (
+from inference.transport.transcripts import Transcript
+from inference.transport.wire import (
     AudioChunk,
     Done,
     Embedded,
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from inference.worker.runtime import ModelRuntime
     from inference.worker.tier_moves import TierMoves
 
-Event = Any  # an inference.wire event
+Event = Any  # an inference.transport.wire event
 MEDIA_OPS = {"embed": "embeddings", "transcribe": "speech_to_text", "speech": "text_to_speech"}
 ROUTES = {"embed": "/v1/embeddings", "transcribe": "/v1/audio/transcriptions", "speech": "/v1/audio/speech"}
 VECTORS_PER_EVENT = 256  # 384 dims: ~0.5 MB of base64 per event

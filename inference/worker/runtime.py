@@ -19,7 +19,7 @@ from hypnos_site.errors import Cancelled, InsufficientMemory, ModelDisabled, Mod
 from inference.engines.base import Engine
 from memory.manager import TierManager
 
-Event = Any  # an inference.wire event
+Event = Any  # an inference.transport.wire event
 Sink = Callable[[Event], None]
 # An eviction of a model whose abandoned request is still in the engine waits this long for the
 # engine to reach its next token (or step) and stop.

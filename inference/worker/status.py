@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hypnos_site.config import HypnosConfig
-from inference.wire import ModelPlace, WorkerAnnouncement
+from inference.transport.wire import ModelPlace, WorkerAnnouncement
 from inference.worker.runtime import ModelRuntime, ModelTable
 from inference.worker.tier_moves import TierMoves
 from memory.device import Device, process_memory_bytes
@@ -42,7 +42,7 @@ class StatusReports:
         self.moves = moves
         self.ready = ready
         self.estimated_wait_ms = estimated_wait_ms
-        # The name it announces itself by (inference/cluster.py) and its answers carry.
+        # The name it announces itself by (inference/transport/cluster.py) and its answers carry.
         self.worker_id = config.server.worker_id or socket.gethostname()
 
     def status(self) -> dict[str, Any]:
@@ -80,7 +80,7 @@ class StatusReports:
         }
 
     def announcement(self, channel: str, draining: bool) -> WorkerAnnouncement:
-        """What this worker announces to the web processes (inference/cluster.py)."""
+        """What this worker announces to the web processes (inference/transport/cluster.py)."""
         models = {}
         for model_id, runtime in list(self.table.models.items()):
             config = runtime.config

@@ -33,7 +33,7 @@ ENGINE_MODULES = [
 def test_the_web_process_does_not_import_engine_libraries(tmp_path):
     env = base_env(write_config(tmp_path), tmp_path, HYPNOS_DEPLOYMENT="distributed")
     code = (
-        "import sys, hypnos_site.asgi, inference.views, inference.serving.chat\n"
+        "import sys, hypnos_site.asgi, inference.web.openai.views, inference.web.openai.serving_chat\n"
         f"print([m for m in {ENGINE_MODULES!r} if m in sys.modules])"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=BASE_DIR, env=env, capture_output=True, text=True)

@@ -165,7 +165,7 @@ def test_a_job_whose_celery_worker_dies_ends_its_stream_with_an_error(distribute
     """SIGKILL the Celery worker in the middle of a job: the stream ends with an error event
     and [DONE] once the job's heartbeats stop (JOB_SILENCE_SECS), and the job's row says failed.
     The fixture's worker is swapped for one that is killed, then for a fresh one."""
-    from inference.jobs import JOB_SILENCE_SECS
+    from inference.jobs.feed import JOB_SILENCE_SECS
 
     current = next(p for p in distributed.procs if p.name.startswith("celery"))
     current.stop()

@@ -31,8 +31,8 @@ import pytest
 from channels_redis.core import RedisChannelLayer
 
 from hypnos_site.hard_stop import CUT_EXIT_CODE, SHUTDOWN_GRACE_SECS
-from inference.client import ChannelLayerTransport, InferenceClient
-from inference.cluster import ANNOUNCE_SECS, ANNOUNCE_TTL_SECS
+from inference.transport.client import ChannelLayerTransport, InferenceClient
+from inference.transport.cluster import ANNOUNCE_SECS, ANNOUNCE_TTL_SECS
 from tests.conftest import PARIS_MESSAGES
 from tests.e2e.conftest import Proc, base_env, free_port, run_manage, start, start_redis, wait_ready, write_config
 
@@ -45,7 +45,7 @@ STORY = {
     "max_tokens": 2000,
 }
 # From the kill to the error: the web's reply deadline (1.5 s), then until the worker's
-# announcement lapses or its restarted process announces itself (inference/client.py): at most
+# announcement lapses or its restarted process announces itself (inference/transport/client.py): at most
 # about ANNOUNCE_TTL_SECS + ANNOUNCE_SECS, 2.0 to 4.0 s measured idle (the SIGSEGV comes
 # FAULT_DELAY_SECS after it is armed). 5x that for a busy machine; a stream nothing cut runs on
 # to the client's 60 s.

@@ -32,8 +32,8 @@ import pytest
 import redis
 
 from hypnos_site.config import BASE_DIR, load_config
-from inference.cluster import ANNOUNCE_SECS, ANNOUNCE_TTL_SECS, DIRECTORY_TTL_SECS
-from inference.wire import WorkerAnnouncement
+from inference.transport.cluster import ANNOUNCE_SECS, ANNOUNCE_TTL_SECS, DIRECTORY_TTL_SECS
+from inference.transport.wire import WorkerAnnouncement
 from tests.conftest import PARIS_MESSAGES
 from tests.e2e.conftest import Proc, base_env, free_port, run_manage, start, start_redis, wait_ready
 
@@ -46,7 +46,7 @@ STORY = {
 }
 GIB = 1 << 30
 # From a worker's death to its stream's error chunk: the web's reply deadline, then until the
-# worker's announcement lapses (inference/client.py): at most about ANNOUNCE_TTL_SECS +
+# worker's announcement lapses (inference/transport/client.py): at most about ANNOUNCE_TTL_SECS +
 # ANNOUNCE_SECS, 2.0 to 4.0 s measured idle (tests/e2e/test_hardening_faults.py). 5x that for a
 # busy machine; a stream nothing cut runs on to the client's 60 s.
 NOTICED_WITHIN_SECS = 5 * (ANNOUNCE_TTL_SECS + ANNOUNCE_SECS + 0.5)

@@ -1,5 +1,5 @@
 """Hypothesis strategies for the route fuzzer: request bodies built from the wire models of
-inference/protocol.py and inference/protocol_media.py (a valid shape first, then mutated), raw
+inference/web/openai/protocol.py and inference/web/openai/protocol_media.py (a valid shape first, then mutated), raw
 garbage, multipart uploads, odd content types and odd headers.
 
 Generation is kept cheap on purpose: texts are short, token counts tiny and most mutations make
@@ -358,7 +358,7 @@ def document_source(draw: st.DrawFn, fields: dict[str, Any]) -> dict[str, Any]:
 
 # Schema bounds: mostly small, plus the sizes that crashed libllama's grammar sampler (above its
 # 1000-repetition ceiling) or grew the converter's memory without bound before the schema limits
-# (inference/grammar_limits.py) refused them; those must now be 400s.
+# (inference/web/common/grammar_limits.py) refused them; those must now be 400s.
 SCHEMA_BOUND_LIMIT = 100
 SCHEMA_BOUND_KEYS = ("minLength", "maxLength", "minItems", "maxItems")
 _bound = st.one_of(

@@ -1,5 +1,5 @@
 """Hypothesis strategies for the compatibility APIs' bodies: Ollama's /api routes
-(inference/protocol_ollama.py) and Anthropic's Messages API (inference/protocol_anthropic.py),
+(inference/web/ollama/protocol.py) and Anthropic's Messages API (inference/web/anthropic/protocol.py),
 built like strategies.py builds the /v1 ones (a valid shape from the wire model, with the fields
 that keep it cheap or reach the interesting refusals drawn from the lists below), then mutated
 by the route fuzzer.
@@ -18,9 +18,9 @@ from typing import Any
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from inference.protocol import LemonadePullRequest
-from inference.protocol_anthropic import MessageCountTokensParams, MessageCreateParams, ToolParam
-from inference.protocol_ollama import (
+from inference.web.anthropic.protocol import MessageCountTokensParams, MessageCreateParams, ToolParam
+from inference.web.lemonade.protocol import LemonadePullRequest
+from inference.web.ollama.protocol import (
     ChatRequest,
     DeleteRequest,
     EmbeddingsRequest,

@@ -45,8 +45,9 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from hypnos_site.config import HypnosConfig, KeyConfig, ModelConfig
-from inference.deadline import within
-from inference.protocol import (
+from inference.transport.deadline import within
+from inference.web.common import pulls as ollama_pull
+from inference.web.openai.protocol import (
     AdvisorRequest,
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,7 +57,7 @@ from inference.protocol import (
     MoeOffloadRequest,
     ResponsesRequest,
 )
-from inference.protocol_media import (
+from inference.web.openai.protocol_media import (
     DocumentConvertRequest,
     EmbeddingRequest,
     EntityRequest,
@@ -65,7 +66,6 @@ from inference.protocol_media import (
     SpeechRequest,
     TranscriptionRequest,
 )
-from inference.serving import ollama_pull
 from logs.store import settled
 from tests.fuzz import strategies as fz
 from tests.fuzz import strategies_compat as compat

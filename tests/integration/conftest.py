@@ -12,7 +12,7 @@ from django.test import AsyncClient
 
 from hypnos_site.config import HypnosConfig
 from hypnos_site.errors import HypnosError
-from inference.runtime import runtime, trim_heap
+from inference.transport.runtime import runtime, trim_heap
 from inference.worker import Worker
 from logs.store import settled
 from memory.tiers import MemoryTier
@@ -62,7 +62,7 @@ async def api(worker: Worker, db: None) -> AsyncIterator[AsyncClient]:
 
 
 async def jobs_settled(timeout: float = 60.0) -> None:
-    """Wait for the embedded deployment's job threads (inference.jobs.dispatch) to end."""
+    """Wait for the embedded deployment's job threads (inference.jobs.feed.dispatch) to end."""
     for thread in threading.enumerate():
         if thread.name.startswith(("hypnos-job-", "hypnos-img-")):
             await asyncio.to_thread(thread.join, timeout)

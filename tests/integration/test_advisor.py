@@ -69,7 +69,9 @@ async def test_an_unknown_need_is_a_400(api):
 
 
 async def test_without_a_catalog_the_advisor_is_a_404(api, monkeypatch, tmp_path):
-    monkeypatch.setattr("inference.serving.advisor.catalog_path", lambda config: tmp_path / "models.catalog.toml")
+    monkeypatch.setattr(
+        "inference.web.openai.serving_advisor.catalog_path", lambda config: tmp_path / "models.catalog.toml"
+    )
     response = await post_json(api, "/v1/advisor", {"needs": ["chat"]})
     assert response.status_code == 404 and response.json()["error"]["type"] == "not_found"
 

@@ -9,7 +9,7 @@ import pytest
 from channels.routing import URLRouter
 from channels.testing import WebsocketCommunicator
 
-from inference.realtime import FRAME, RATE, ServerVad, websocket_urlpatterns
+from inference.web.openai.realtime import FRAME, RATE, ServerVad, websocket_urlpatterns
 from tests.integration.conftest import post_json, with_server
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -15,7 +15,7 @@ from hypnos_site.config import LimitsConfig
 from hypnos_site.errors import Cancelled
 from inference.engines.base import ChatWork
 from inference.engines.llama import LlamaEngine
-from inference.wire import EntityWork
+from inference.transport.wire import EntityWork
 from inference.worker.entities import ChatExtractor
 from inference.worker.tier_moves import TierSwitch
 from memory.tiers import MemoryTier

@@ -20,8 +20,8 @@ from django.conf import settings as django_settings
 from django.test import AsyncClient
 from django_celery_results.models import TaskResult
 
-from inference.deadline import within
-from inference.serving import image_input
+from inference.transport.deadline import within
+from inference.web.common import image_input
 from inference.worker import Worker
 from logs.models import DocumentJob, StoredDocument
 from tests import documents
@@ -308,7 +308,7 @@ async def test_describe_pictures_puts_the_vision_models_words_under_each_picture
 
 
 async def test_a_job_that_crashes_ends_its_stream_with_an_error_and_leaves_nothing(api, files, monkeypatch):
-    from inference import document_job
+    from inference.jobs import documents as document_job
 
     def broken(pages: list[str]) -> str:
         raise RuntimeError("the joiner broke")

@@ -16,7 +16,7 @@ from PIL import Image
 
 from hypnos_site.errors import Cancelled, InvalidRequest
 from inference.engines.document import DoclingEngine, OpenedDocument, PageResult
-from inference.markdown_join import join_pages
+from inference.jobs.markdown_join import join_pages
 from tests import documents
 
 SCANNED_TEXT = "Invoice number 4711\nTotal due: 120 euros"

@@ -67,7 +67,7 @@ async def test_an_unknown_format_query_on_any_route_is_a_404_in_the_envelope(api
 
 async def test_a_malformed_url_is_a_400_for_images_too(settings):
     from hypnos_site.errors import InvalidRequest
-    from inference.serving.image_input import ImagePolicy, fetch
+    from inference.web.common.image_input import ImagePolicy, fetch
 
     policy = ImagePolicy.from_limits(settings.HYPNOS.limits)
     for url in ("http://[::1/x.png", "http://host:99999/x.png", "http://" + "a" * 64 + ".com/x.png"):

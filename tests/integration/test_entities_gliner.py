@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hypnos_site.config import ModelConfig
-from inference.entities import select_spans
+from inference.transport.entities import select_spans
 from inference.worker import Worker
 from tests import gliner_graph as graph
 from tests.integration.conftest import post_json

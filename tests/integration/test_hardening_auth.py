@@ -22,8 +22,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import hypnos_site.metrics as metrics_module
 from hypnos_site.config import KeyConfig
-from inference import anthropic_views, views
-from inference.realtime import websocket_urlpatterns
+from inference.web.anthropic import views as anthropic_views
+from inference.web.common.views import UnknownRouteView
+from inference.web.openai import views
+from inference.web.openai.realtime import websocket_urlpatterns
 from inference.worker import Worker
 from logs import views as log_views
 from logs.store import levels
@@ -45,7 +47,7 @@ OPEN_TO_EVERY_KEY = {
     views.AudioTranscriptionsView,
     views.AudioSpeechView,
     views.AdvisorView,
-    views.UnknownRouteView,
+    UnknownRouteView,
     views.DocumentConvertView,
     views.EntitiesView,
     views.ImagesView,
@@ -347,7 +349,7 @@ async def test_a_plain_key_sees_paths_relative_to_models_dir(api, settings):
 
 
 def test_hidden_paths_keep_what_is_not_a_server_path(settings):
-    from inference.serving.models import hide_paths
+    from inference.web.common.catalog import hide_paths
 
     models_dir, home = settings.HYPNOS.models_dir, __import__("pathlib").Path.home()
     shown = hide_paths(

@@ -20,9 +20,9 @@ from django.test import AsyncClient
 from hypnos_site.config import BASE_DIR, load_config
 from hypnos_site.json_bodies import MAX_JSON_CONTAINERS, MAX_JSON_VALUES
 from hypnos_site.settings import _allowed_hosts
-from inference.middleware import RealtimeOriginValidator
-from inference.parsers import MAX_JSON_DEPTH, JSONParser
-from inference.realtime import websocket_urlpatterns
+from inference.web.common.middleware import RealtimeOriginValidator
+from inference.web.common.parsers import MAX_JSON_DEPTH, JSONParser
+from inference.web.openai.realtime import websocket_urlpatterns
 from tests.conftest import PARIS_MESSAGES
 from tests.integration.conftest import post_json, with_limits
 

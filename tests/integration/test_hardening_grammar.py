@@ -388,7 +388,7 @@ def test_the_web_process_converts_a_schema_without_loading_libllama():
     the distributed web process never imports an engine library."""
     code = (
         "import sys\nfrom hypnos_site.config import LimitsConfig\n"
-        "from inference.grammar_limits import check_schema\n"
+        "from inference.web.common.grammar_limits import check_schema\n"
         "gbnf = check_schema({'type': 'string', 'maxLength': 10}, LimitsConfig(), 'response_format')\n"
         "print('char ::=' in gbnf, [m for m in sys.modules if m.split('.')[0] == 'llama_cpp'])"
     )

@@ -25,7 +25,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from PIL import Image
 
 from hypnos_site.errors import InvalidRequest
-from inference.realtime import RATE, websocket_urlpatterns
+from inference.web.openai.realtime import RATE, websocket_urlpatterns
 from inference.worker import Worker
 from memory.gguf import read_gguf
 from tests.integration.conftest import post_json, with_limits

@@ -14,7 +14,7 @@ import pytest
 from django.conf import settings
 from PIL import Image
 
-from inference.deadline import within
+from inference.transport.deadline import within
 from logs.models import ImageJob
 from tests.fuzz.strategies import png_claiming
 from tests.integration.conftest import post_json, wait_until, with_limits

@@ -16,7 +16,7 @@ import redis
 from hypnos_site.config import KeyConfig
 from hypnos_site.errors import RateLimited
 from hypnos_site.metrics import RedisCounters, get_counters, observation
-from inference.latency import WORKFLOW_IDLE_SECS, RedisWorkflows, get_workflows
+from inference.web.common.latency import WORKFLOW_IDLE_SECS, RedisWorkflows, get_workflows
 from logs.store import levels
 from models_registry.authentication import ApiPrincipal
 from models_registry.quotas import Permit, RedisQuotas, get_quotas, secs_to_midnight

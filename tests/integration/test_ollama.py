@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 
 from hypnos_site.config import KeyConfig
-from inference.serving.pool import pool
+from inference.web.common.pool import pool
 from inference.worker import Worker
 from logs.store import settled
 from models_registry import downloads

@@ -20,7 +20,7 @@ from django.utils import timezone
 from PIL import Image
 
 from hypnos_site.config import KeyConfig
-from inference.runtime import runtime
+from inference.transport.runtime import runtime
 from inference.worker import Worker
 from logs import pictures, views
 from logs.models import StoredDocument, StoredPicture

@@ -11,8 +11,8 @@ import pytest
 
 from hypnos_site.errors import InvalidRequest
 from inference.engines import audio
-from inference.serving.audio import srt, vtt
-from inference.transcripts import Segment
+from inference.transport.transcripts import Segment
+from inference.web.openai.serving_audio import srt, vtt
 
 TONE = (np.sin(np.arange(12_345) * 2 * np.pi * 440 / audio.OUTPUT_RATE) * 8000).astype(np.int16)
 

@@ -129,6 +129,6 @@ def test_a_configured_catalog_block_names_its_variant(model_id, quant, tmp_path)
 @pytest.mark.parametrize(("entry", "variant"), VARIANTS, ids=[spec(e, v) for e, v in VARIANTS])
 def test_every_variant_is_named_by_its_id_and_quant(entry, variant):
     """`<id>:<quant>` (./run.sh models, POST /v1/models, Ollama's pull) finds exactly it."""
-    from inference.serving.ollama_pull import catalog_variant
+    from inference.web.common.pulls import catalog_variant
 
     assert catalog_variant(CATALOG, spec(entry, variant)) == (entry, variant)

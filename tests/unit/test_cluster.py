@@ -1,12 +1,12 @@
-"""Routing between several inference workers and the merged view (inference/cluster.py)."""
+"""Routing between several inference workers and the merged view (inference/transport/cluster.py)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from inference.cluster import candidates, choose, merge_kv_park, merge_memory_status, merge_status
-from inference.wire import ModelPlace, WorkerAnnouncement
+from inference.transport.cluster import candidates, choose, merge_kv_park, merge_memory_status, merge_status
+from inference.transport.wire import ModelPlace, WorkerAnnouncement
 
 GIB = 1 << 30
 

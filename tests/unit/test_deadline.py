@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
-from inference.client import _QueueCall
-from inference.deadline import within
-from inference.wire import Delta, Done
+from inference.transport.client import _QueueCall
+from inference.transport.deadline import within
+from inference.transport.wire import Delta, Done
 
 
 class Call(_QueueCall):

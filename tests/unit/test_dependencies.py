@@ -10,6 +10,12 @@
   parent package an import runs first (`inference.worker` for `inference.worker.runtime`) is not
   an edge: a package's `__init__` re-exporting its parts would otherwise tie every part to all
   the others;
+- the layout of `inference` (inference/web/__init__.py, docs/architecture.md): an API surface
+  (`inference.web.openai`, `.ollama`, `.anthropic`, `.lemonade`) imports `inference.web.common`,
+  `inference.transport` and `inference.jobs`, never another surface, `inference.worker` or
+  `inference.engines`; `inference.web.common` imports no surface; `inference.transport` and
+  `inference.jobs` import nothing of `inference.web`; no module but the Django app's own lies
+  directly in `inference/`;
 - the web process's module-level imports reach no engine library, no module that imports one
   (an engine backend: its heavy imports are inside it) and no worker module;
   tests/e2e/test_distributed.py checks the same thing at run time in a real distributed web
@@ -23,6 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+
+import pytest
 
 from hypnos_site.config import BASE_DIR
 
@@ -44,12 +52,18 @@ ENGINE_LIBRARIES = (
 WEB_ENTRY_POINTS = (
     "hypnos_site.asgi",
     "hypnos_site.urls",
-    "inference.urls",
-    "inference.views",
-    "inference.realtime",
-    "inference.lemonade_urls",
+    "inference.web.openai.urls",
+    "inference.web.openai.views",
+    "inference.web.openai.realtime",
+    "inference.web.ollama.urls",
+    "inference.web.anthropic.urls",
+    "inference.web.lemonade.urls",
     "logs.urls",
 )
+SURFACES = ("openai", "ollama", "anthropic", "lemonade")
+# The modules that lie directly in inference/: the Django app's own (apps.py; models.py,
+# admin.py if it grows them). Everything else belongs to a package that says its process.
+APP_MODULES = {"inference", "inference.apps", "inference.models", "inference.admin"}
 # (importer, imported) edges of a cycle that is meant, each with its `# deliberate cycle:` line.
 DELIBERATE: set[tuple[str, str]] = set()
 
@@ -270,5 +284,58 @@ def test_the_checks_see_the_imports_they_are_about():
     assert "inference.worker.tier_moves" in graph["inference.worker.core"]
     assert "inference.worker.runtime" in graph["inference.worker.tier_moves"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    assert any(imp.local for imp in imports("inference.runtime"))  # the embedded worker, lazily
-    assert loads_an_engine("inference.engines.llama") and not loads_an_engine("inference.engines.tools")
+    assert any(imp.local for imp in imports("inference.transport.runtime"))  # the embedded worker, lazily
+    assert loads_an_engine("inference.engines.llama") and not loads_an_engine("inference.transport.tools")
+
+
+def package(module: str) -> str | None:
+    """The package of the layout a module of `inference` lies in: a surface's name, `common`,
+    `transport`, `jobs`, `worker`, `engines`; None for the Django app's own modules."""
+    parts = module.split(".")
+    if parts[:2] == ["inference", "web"]:
+        return parts[2] if len(parts) > 2 else "web"
+    if len(parts) > 1 and parts[1] in ("transport", "jobs", "worker", "engines", "management", "migrations"):
+        return parts[1]
+    return None
+
+
+def crossings(importer: str, forbidden: set[str]) -> list[str]:
+    """Every import (local and typing-only ones too) from a package named in `importer` into
+    one of the `forbidden` packages."""
+    found = []
+    for module in sources():
+        if top(module) != "inference" or package(module) != importer:
+            continue
+        for imp in imports(module):
+            target = first_party(imp.module)
+            if target is not None and top(target) == "inference" and package(target) in forbidden:
+                found.append(f"{module}:{imp.line} imports {target}")
+    return found
+
+
+@pytest.mark.parametrize("surface", SURFACES)
+def test_an_api_surface_imports_no_other_surface_no_worker_and_no_engine(surface):
+    assert crossings(surface, {*SURFACES, "worker", "engines"} - {surface}) == []
+
+
+def test_the_shared_web_package_imports_no_surface_no_worker_and_no_engine():
+    assert crossings("common", {*SURFACES, "worker", "engines"}) == []
+
+
+@pytest.mark.parametrize("side", ["transport", "jobs"])
+def test_the_transport_and_the_jobs_import_nothing_of_the_web_packages(side):
+    assert crossings(side, {*SURFACES, "common"}) == []
+
+
+def test_no_module_but_the_django_apps_own_lies_directly_in_inference():
+    loose = [m for m in sources() if top(m) == "inference" and package(m) is None and m not in APP_MODULES]
+    assert loose == []
+
+
+def test_the_layout_checks_see_the_packages_they_are_about():
+    # Each surface has the same skeleton, and the checks above classify real modules.
+    for surface in SURFACES:
+        assert {f"inference.web.{surface}.{name}" for name in ("urls", "views", "protocol")} <= set(sources())
+        assert any(m.startswith(f"inference.web.{surface}.serving") for m in sources())
+    assert package("inference.web.ollama.serving") == "ollama" and package("inference.transport.wire") == "transport"
+    assert crossings("ollama", {"common"}) != [] and crossings("openai", {"transport"}) != []

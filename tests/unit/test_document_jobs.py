@@ -12,10 +12,10 @@ from django.http import QueryDict
 from django.test import override_settings
 
 from hypnos_site.errors import InvalidRequest, ModelNotAvailable, ServerError
-from inference import jobs
-from inference.document_job import insert_descriptions
-from inference.serving.documents import _decode_inline, document_request
-from inference.wire import DocumentOpened, Done, Error, Heartbeat, PageReady, encode_event
+from inference.jobs import feed as jobs
+from inference.jobs.documents import insert_descriptions
+from inference.transport.wire import DocumentOpened, Done, Error, Heartbeat, PageReady, encode_event
+from inference.web.openai.serving_documents import _decode_inline, document_request
 from inference.worker.documents import page_numbers
 
 

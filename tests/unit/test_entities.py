@@ -1,4 +1,4 @@
-"""Span selection and the chat extractor's reading of an answer (inference/entities.py,
+"""Span selection and the chat extractor's reading of an answer (inference/transport/entities.py,
 inference/worker/entities.py): flat and nested choice, mentions found in the text, values read
 from a JSON answer even when it was cut short, and scores from token probabilities."""
 
@@ -8,8 +8,8 @@ import json
 import threading
 
 from inference.engines.base import ChatWork
-from inference.entities import Span, label_families, select_spans
-from inference.wire import EntityWork
+from inference.transport.entities import Span, label_families, select_spans
+from inference.transport.wire import EntityWork
 from inference.worker.entities import ChatExtractor, _Answer, answer_entities, entity_schema, find_mentions
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import json
 
 from hypnos_site.errors import AuthenticationError, ModelBusy, ModelNotAvailable, ModelNotFound
-from inference import wire
+from inference.transport import wire
 
 
 def test_an_error_crosses_the_transport_with_its_class():

@@ -24,7 +24,7 @@ from inference.engines.gliner import (
     split_words,
     words_mask,
 )
-from inference.entities import Span, select_spans
+from inference.transport.entities import Span, select_spans
 from tests.gliner_graph import (
     ANNA,
     DISTRACTORS,
@@ -484,7 +484,7 @@ def test_a_threshold_of_zero_keeps_memory_in_proportion_to_the_text(loaded: dict
     of the best, so its peak stays that of a few thousand spans."""
     import tracemalloc
 
-    from inference.entities import CANDIDATES_PER_WORD
+    from inference.transport.entities import CANDIDATES_PER_WORD
 
     text = " ".join([MARIO] * 120)
     labels = [*LABELS, *DISTRACTORS]
@@ -503,7 +503,7 @@ def test_a_threshold_of_zero_keeps_memory_in_proportion_to_the_text(loaded: dict
 
 
 def test_the_best_candidates_are_kept_in_the_order_selection_takes_them():
-    from inference.entities import best_candidates
+    from inference.transport.entities import best_candidates
 
     spans = [Span(start=i, end=i + 1, label="x", score=(i % 7) / 7) for i in range(100)]
     kept = best_candidates(spans, 10)

@@ -1,7 +1,7 @@
 """Issue 35: a schema `pattern` whose grammar stalls llama.cpp's sampler is refused before any
 work. `^(a?){1000}$` passed every other limit and held the model for more than 600 s: libllama
 keeps a parse stack in each copy of a repeated part that can match nothing and walks every parse
-of every token it rejects (the figures are in inference/grammar_limits.py)."""
+of every token it rejects (the figures are in inference/web/common/grammar_limits.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from hypnos_site.config import LimitsConfig
 from hypnos_site.errors import InvalidRequest
-from inference.grammar_limits import check_schema, check_tools
-from inference.grammar_patterns import pattern_stall
+from inference.web.common.grammar_limits import check_schema, check_tools
+from inference.web.common.grammar_patterns import pattern_stall
 
 # Repeated parts that can match nothing, flat runs of them, and overlapping alternatives.
 STALLING = {

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from hypnos_site.errors import InvalidRequest
-from inference.serving.image_input import ImagePolicy, is_public, load_image
+from inference.web.common.image_input import ImagePolicy, is_public, load_image
 
 MIB = 1 << 20
 

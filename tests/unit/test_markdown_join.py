@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from inference.markdown_join import join_pages
+from inference.jobs.markdown_join import join_pages
 
 TABLE_PAGE_1 = "## Results\n\n| Model | Size |\n|-------|------|\n| smollm2 | 135M |\n| qwen | 0.5B |"
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 import pytest
 
 from hypnos_site.errors import InvalidRequest
-from inference.protocol import ChatCompletionRequest, parse_body
-from inference.protocol_media import EmbeddingRequest
+from inference.web.common.protocol import parse_body
+from inference.web.openai.protocol import ChatCompletionRequest
+from inference.web.openai.protocol_media import EmbeddingRequest
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from inference.engines.thinking import ThinkBlock
-from inference.protocol import ChatCompletionRequest, ChatMessage, parse_body
+from inference.web.common.protocol import parse_body
+from inference.web.openai.protocol import ChatCompletionRequest, ChatMessage
 
 BASE = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

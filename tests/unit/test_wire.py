@@ -1,4 +1,4 @@
-"""The typed messages between web and worker and their one serialiser (inference/wire.py)."""
+"""The typed messages between web and worker and their one serialiser (inference/transport/wire.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from hypnos_site.errors import ContextLengthExceeded, DeadlineUnmeetable, ServerError
-from inference import wire
-from inference.entities import Span
-from inference.transcripts import Segment, Transcript, Word
+from inference.transport import wire
+from inference.transport.entities import Span
+from inference.transport.transcripts import Segment, Transcript, Word
 from inference.worker.core import CONTROL_OPS
 from inference.worker.pool import POOL_OPS
 
@@ -166,7 +166,7 @@ def test_a_control_op_takes_only_its_own_typed_args():
 
 async def test_the_client_refuses_bad_control_args_as_a_400():
     from hypnos_site.errors import InvalidRequest
-    from inference.client import InferenceClient
+    from inference.transport.client import InferenceClient
 
     class Unreachable:
         async def submit(self, request):  # type: ignore[no-untyped-def]

@@ -1,4 +1,4 @@
-"""A busy worker is not a lost one (inference/client.py, inference/cluster.py): on a loaded
+"""A busy worker is not a lost one (inference/transport/client.py, inference/transport/cluster.py): on a loaded
 machine a worker's heartbeats can come later than REPLY_DEADLINE_SECS; as long as it still
 announces itself in Redis the web process waits for it, and only a worker whose announcement is
 gone (killed, cut off, restarted) ends the request with a 503. The deadlines are the product's,
@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from hypnos_site.errors import ModelNotAvailable
-from inference import client, cluster
-from inference.client import ChannelLayerTransport
-from inference.cluster import WorkerDirectory
-from inference.wire import Accepted, ControlRequest, Heartbeat, Result, WorkerAnnouncement, encode_event
+from inference.transport import client, cluster
+from inference.transport.client import ChannelLayerTransport
+from inference.transport.cluster import WorkerDirectory
+from inference.transport.wire import Accepted, ControlRequest, Heartbeat, Result, WorkerAnnouncement, encode_event
 from tests.unit.test_cluster import worker
 
 DEADLINE = 0.1  # REPLY_DEADLINE_SECS here

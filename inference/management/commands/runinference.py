@@ -3,7 +3,7 @@
 By default the command is a small supervisor: the worker itself runs in a child process
 (`runinference --no-supervise`), and a child killed by a signal (a segfault in an engine's native
 code, SIGKILL, the OOM killer) is started again after a backoff. Requests in flight on the dead
-worker end on the web side within the reply deadline (inference/client.py), with an error chunk
+worker end on the web side within the reply deadline (inference/transport/client.py), with an error chunk
 in a stream and a 503 otherwise. SIGTERM / SIGINT go to the child, which drains and exits (at the latest
 SHUTDOWN_GRACE_SECS after the drain, whatever still runs: hypnos_site/hard_stop.py); a
 child that exits by itself (an error at start-up, a clean stop) ends the supervisor with its code.

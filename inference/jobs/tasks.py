@@ -1,0 +1,52 @@
+"""The Celery tasks (hypnos_site/celery.py finds them here): thin wrappers that run a job's
+coroutine (inference/jobs/documents.py, inference/jobs/images.py) to its end on an event loop of
+their own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from celery import shared_task
+from django.conf import settings
+
+JobRunner = Callable[[str, Any, Any], Awaitable[dict[str, Any] | None]]
+
+
+@shared_task(name="hypnos.convert_document", ignore_result=False)
+def convert_document(job_id: str) -> dict[str, Any] | None:
+    """Convert the document of DocumentJob `job_id`; its result is the document with its pages
+    (None when the job failed or was cancelled: its row says why)."""
+    from inference.jobs.documents import run_job
+
+    return asyncio.run(_run(run_job, job_id))
+
+
+@shared_task(name="hypnos.make_images", ignore_result=False)
+def make_images(job_id: str) -> dict[str, Any] | None:
+    """Make the images of ImageJob `job_id`; its result is their seeds (None when the job
+    failed or was cancelled: its row says why)."""
+    from inference.jobs.images import run_job
+
+    return asyncio.run(_run(run_job, job_id))
+
+
+async def _run(run_job: JobRunner, job_id: str) -> dict[str, Any] | None:
+    if settings.HYPNOS.server.deployment != "distributed":
+        from inference.jobs.feed import local_channels
+        from inference.transport.runtime import get_client
+
+        return await run_job(job_id, get_client(), local_channels)
+    # A channel layer of the task's own: channels-redis keeps per-event-loop state, and each
+    # task runs on a new loop, several at once in one worker process.
+    from channels.layers import DEFAULT_CHANNEL_LAYER, channel_layers
+
+    from inference.transport.client import ChannelLayerTransport, InferenceClient
+
+    layer = channel_layers.make_backend(DEFAULT_CHANNEL_LAYER)
+    client = InferenceClient(ChannelLayerTransport(layer, settings.HYPNOS.server.worker_ack_timeout_secs))
+    try:
+        return await run_job(job_id, client, layer)
+    finally:
+        await layer.close_pools()

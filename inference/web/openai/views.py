@@ -1,0 +1,261 @@
+"""Thin `/v1` routes: parse the body, call one serving function, return JSON or a stream."""
+
+from __future__ import annotations
+
+from asgiref.sync import sync_to_async
+from django.http import JsonResponse
+from rest_framework.parsers import BaseParser
+from rest_framework.request import Request
+
+from hypnos_site.errors import EngineTimeout, InvalidRequest
+from inference.transport.runtime import get_client
+from inference.web.common import catalog as models
+from inference.web.common import latency, pool
+from inference.web.common.context import RequestContext
+from inference.web.common.parsers import JSONParser, MultiPartParser
+from inference.web.common.protocol import body_object, parse_body
+from inference.web.openai import serving_advisor as advisor
+from inference.web.openai import serving_audio as audio
+from inference.web.openai import serving_chat as chat
+from inference.web.openai import serving_completions as completions
+from inference.web.openai import serving_documents as documents
+from inference.web.openai import serving_embeddings as embeddings
+from inference.web.openai import serving_entities as entities
+from inference.web.openai import serving_images as images
+from inference.web.openai import serving_responses as responses
+from inference.web.openai.protocol import (
+    AdvisorRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    InternalSetRequest,
+    KvParkRequest,
+    MemoryTierRequest,
+    MoeOffloadRequest,
+    ResponsesRequest,
+)
+from inference.web.openai.protocol_media import EmbeddingRequest, EntityRequest, SpeechRequest
+from models_registry.api_view import APIView
+from models_registry.authentication import IsAdminKey, IsAdminKeyForChanges, is_admin
+
+
+class ChatCompletionsView(APIView):
+    async def post(self, request: Request) -> object:
+        body = parse_body(ChatCompletionRequest, request.data)
+        return await chat.create_chat_completion(get_client(), body, RequestContext.of(request._request))
+
+
+class ModelListView(APIView):
+    permission_classes = [IsAdminKeyForChanges]
+
+    async def get(self, request: Request) -> JsonResponse:
+        return JsonResponse(await models.list_models(get_client()))
+
+    async def head(self, request: Request) -> JsonResponse:
+        return JsonResponse(await models.list_models(get_client()))
+
+    async def post(self, request: Request) -> JsonResponse:
+        """Adds a model to the running pool (spec §6)."""
+        return JsonResponse(await pool.add_model(get_client(), body_object(request.data)), status=201)
+
+
+class ModelCatalogView(APIView):
+    async def get(self, request: Request) -> JsonResponse:
+        # Off the event loop: the catalog reads the GGUF headers of the downloaded weights.
+        modality = request.query_params.get("modality")
+        return JsonResponse(await sync_to_async(models.catalog)(modality, admin=is_admin(request.auth)))
+
+
+class AdvisorView(APIView):
+    """POST /v1/advisor (spec §6): open during startup staging, like the catalog."""
+
+    async def post(self, request: Request) -> JsonResponse:
+        return JsonResponse(advisor.advise(parse_body(AdvisorRequest, request.data)))
+
+
+class ModelView(APIView):
+    permission_classes = [IsAdminKeyForChanges]
+
+    async def get(self, request: Request, model_id: str) -> JsonResponse:
+        return JsonResponse(await models.get_model(get_client(), model_id))
+
+    async def put(self, request: Request, model_id: str) -> JsonResponse:
+        return JsonResponse(await pool.replace_model(get_client(), model_id, body_object(request.data)))
+
+    async def delete(self, request: Request, model_id: str) -> JsonResponse:
+        drain_secs = request.query_params.get("drain_secs", 120)
+        return JsonResponse(await pool.remove_model(get_client(), model_id, drain_secs))
+
+
+class ModelFilesView(APIView):
+    async def get(self, request: Request, model_id: str) -> JsonResponse:
+        return JsonResponse(await models.model_files(get_client(), model_id, admin=is_admin(request.auth)))
+
+
+class ModelEnableView(APIView):
+    """POST /v1/models/{id}/enable and /disable (spec §6)."""
+
+    permission_classes = [IsAdminKey]
+
+    enable = True
+
+    async def post(self, request: Request, model_id: str) -> JsonResponse:
+        return JsonResponse(await models.set_enabled(get_client(), model_id, self.enable))
+
+
+class ModelMoeOffloadView(APIView):
+    """POST /v1/models/{id}/moe-offload (spec §6)."""
+
+    permission_classes = [IsAdminKey]
+
+    async def post(self, request: Request, model_id: str) -> JsonResponse:
+        body = parse_body(MoeOffloadRequest, request.data)
+        return JsonResponse(await get_client().control("moe_offload", {"model": model_id, "mode": body.mode}))
+
+
+class ModelOptionsView(APIView):
+    """GET/POST/DELETE /v1/models/{id}/options (compat.md): reading is open, changes need an admin key."""
+
+    permission_classes = [IsAdminKeyForChanges]
+
+    async def get(self, request: Request, model_id: str) -> JsonResponse:
+        return JsonResponse(await pool.get_options(get_client(), model_id))
+
+    async def post(self, request: Request, model_id: str) -> JsonResponse:
+        return JsonResponse(await pool.set_options(get_client(), model_id, body_object(request.data)))
+
+    async def delete(self, request: Request, model_id: str) -> JsonResponse:
+        return JsonResponse(await pool.set_options(get_client(), model_id, None))
+
+
+class MemoryStatusView(APIView):
+    async def get(self, request: Request) -> JsonResponse:
+        status = await get_client().control("memory_status")
+        status["latency"] = await latency.summary()
+        return JsonResponse(models.hide_paths(status, is_admin(request.auth)))
+
+
+class MemoryTierView(APIView):
+    permission_classes = [IsAdminKey]
+
+    async def post(self, request: Request) -> JsonResponse:
+        """The move, answered when it is done; one that takes longer than
+        limits.request_timeout_secs goes on in the worker and is a 202 that says where to look
+        (a 504 here once meant nothing, as the model arrived in its tier a moment later)."""
+        body = parse_body(MemoryTierRequest, request.data)
+        try:
+            return JsonResponse(await get_client().control("move", body.model_dump(exclude_none=True)))
+        except EngineTimeout as exc:
+            moving = {
+                "model": body.model,
+                "target_tier": body.target_tier,
+                "status": "moving",
+                "message": f"{exc.message} The move goes on; GET /v1/memory/status shows the model's "
+                "current_tier when it is done.",
+            }
+            return JsonResponse(moving, status=202, headers={"Location": "/v1/memory/status"})
+
+
+class CompletionsView(APIView):
+    async def post(self, request: Request) -> object:
+        body = parse_body(CompletionRequest, request.data)
+        return await completions.create_completion(get_client(), body, RequestContext.of(request._request))
+
+
+class ResponsesView(APIView):
+    async def post(self, request: Request) -> object:
+        body = parse_body(ResponsesRequest, request.data)
+        return await responses.create_response(get_client(), body, RequestContext.of(request._request))
+
+
+class EmbeddingsView(APIView):
+    async def post(self, request: Request) -> object:
+        body = parse_body(EmbeddingRequest, request.data)
+        return await embeddings.create_embeddings(get_client(), body, RequestContext.of(request._request))
+
+
+class ImagesView(APIView):
+    """generations (JSON); edits and variations (multipart, what the OpenAI SDKs send)."""
+
+    op = "generate"
+    parser_classes: list[type[BaseParser]] = [JSONParser]
+
+    async def post(self, request: Request) -> object:
+        owner = getattr(request.auth, "label", None)
+        return await images.create_images(
+            get_client(), request.data, RequestContext.of(request._request), owner, self.op
+        )
+
+
+class ImageFormView(ImagesView):
+    # No url-encoded forms: a web page may post one cross-site without a preflight.
+    parser_classes: list[type[BaseParser]] = [MultiPartParser]
+
+
+class ImageUpscaleView(APIView):
+    parser_classes = [JSONParser]
+
+    async def post(self, request: Request) -> object:
+        owner = getattr(request.auth, "label", None)
+        return await images.upscale_image(get_client(), request.data, RequestContext.of(request._request), owner)
+
+
+class EntitiesView(APIView):
+    async def post(self, request: Request) -> object:
+        body = parse_body(EntityRequest, request.data)
+        return await entities.extract_entities(get_client(), body, RequestContext.of(request._request))
+
+
+class _AnyAccept:
+    """Answers in the route's own media type whatever the Accept header asks (the SDKs ask for
+    application/octet-stream on speech, text/plain on text transcripts)."""
+
+    def perform_content_negotiation(self, request: Request, force: bool = False) -> object:
+        return super().perform_content_negotiation(request, force=True)  # type: ignore[misc]
+
+
+class AudioTranscriptionsView(_AnyAccept, APIView):
+    # Multipart is what the OpenAI SDKs send; JSON with audio_bytes is accepted too (spec §9).
+    # No url-encoded forms: a web page may post one cross-site without a preflight.
+    parser_classes = [MultiPartParser, JSONParser]
+
+    async def post(self, request: Request) -> object:
+        body, audio_data = audio.transcription_request(request.data)
+        return await audio.create_transcription(get_client(), body, audio_data, RequestContext.of(request._request))
+
+
+class DocumentConvertView(_AnyAccept, APIView):
+    # Multipart (the document as a part) or JSON (base64, a data: URI or a url); spec §12.
+    parser_classes = [MultiPartParser, JSONParser]
+
+    async def post(self, request: Request) -> object:
+        owner = getattr(request.auth, "label", None)
+        return await documents.convert_document(get_client(), request.data, RequestContext.of(request._request), owner)
+
+
+class AudioSpeechView(_AnyAccept, APIView):
+    async def post(self, request: Request) -> object:
+        body = parse_body(SpeechRequest, request.data)
+        return await audio.create_speech(get_client(), body, RequestContext.of(request._request))
+
+
+class InternalSetView(APIView):
+    """Lemonade's POST /internal/set: caps the models tier 1 may hold (admin keys only)."""
+
+    permission_classes = [IsAdminKey]
+
+    async def post(self, request: Request) -> JsonResponse:
+        body = parse_body(InternalSetRequest, body_object(request.data))
+        return JsonResponse(await get_client().control("set_limits", body.model_dump()))
+
+
+class KvParkView(APIView):
+    permission_classes = [IsAdminKeyForChanges]
+
+    async def get(self, request: Request) -> JsonResponse:
+        return JsonResponse(await get_client().control("kv_park", {}))
+
+    async def post(self, request: Request) -> JsonResponse:
+        body = parse_body(KvParkRequest, request.data)
+        if body.enabled is None and body.max_bytes is None:
+            raise InvalidRequest("Send enabled, max_bytes or both.")
+        return JsonResponse(await get_client().control("kv_park", body.model_dump()))

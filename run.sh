@@ -17,7 +17,7 @@
 #                       recommend a lineup from the catalog and write its config (venv step only)
 #   ./run.sh --catalog-block <id>[:<quant>]  print a catalog variant's [[models]] block
 #   ./run.sh list|ps|pull|load|unload|run|keys|logs|status [..]  the `hypnos` CLI against a
-#                       running server (venv step only; `./run.sh ps --help`, README "The `hypnos` CLI")
+#                       running server (venv step only; `./run.sh ps --help`, docs/cli.md)
 set -euo pipefail
 cd "$(dirname "$0")"
 

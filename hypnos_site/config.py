@@ -137,6 +137,11 @@ class ServerConfig(_Strict):
     # (under data_dir/pictures) before the oldest documents are deleted to make room.
     document_pictures_ttl_secs: float = Field(default=3600, gt=0)
     document_pictures_max_bytes: int = Field(default=1 << 30, ge=1)
+    # The Files API (POST /v1/files, purpose "batch"; under data_dir/files): the largest file
+    # one upload may be (OpenAI's 200 MB; a body is also bounded by limits.max_body_bytes), and
+    # the most bytes one key's files may take together (a key past it deletes files first).
+    files_max_bytes: int = Field(default=200 * MIB, ge=1)
+    files_max_bytes_per_key: int = Field(default=2 << 30, ge=1)
 
     @field_validator("request_log_redact")
     @classmethod

@@ -3,7 +3,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.db.models import Count
 
-from logs.models import DocumentJob, ImageJob, RequestLogEntry, StoredDocument, StoredPicture
+from logs.models import DocumentJob, ImageJob, RequestLogEntry, StoredDocument, StoredFile, StoredPicture
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -92,6 +92,16 @@ class StoredDocumentAdmin(ReadOnlyAdmin, NoDeleteAdmin):
     @admin.display(description="pictures", ordering="picture_count")
     def picture_count(self, document: StoredDocument) -> int:
         return document.picture_count  # type: ignore[attr-defined]
+
+
+@admin.register(StoredFile)
+class StoredFileAdmin(ReadOnlyAdmin, NoDeleteAdmin):
+    """The Files API's files (logs.files writes and deletes them with their bytes): who uploaded
+    what, for which purpose, and how large."""
+
+    list_display = ["id", "filename", "purpose", "owner_label", "bytes", "created_at"]
+    list_filter = ["purpose", "owner_label"]
+    search_fields = ["id", "filename"]
 
 
 @admin.register(StoredPicture)

@@ -132,6 +132,29 @@ class StoredPicture(models.Model):
         return f"{self.document_id} #{self.index}"
 
 
+class StoredFile(models.Model):
+    """A file of the Files API (POST /v1/files): a batch's input. Its bytes are the file at
+    `file`, under data_dir/files; logs.files owns the rows and their files. Only the key that
+    uploaded it and admin keys see it."""
+
+    id = models.CharField(max_length=40, primary_key=True)
+    # The uploading key's label; null when no key was configured (then every caller sees it).
+    owner_label = models.CharField(max_length=100, null=True, blank=True, db_index=True)
+    purpose = models.CharField(max_length=20)
+    filename = models.CharField(max_length=255)
+    bytes = models.PositiveBigIntegerField()
+    created_at = models.DateTimeField(db_index=True)
+    # Relative to data_dir, written by the store only: requests never name a file.
+    file = models.CharField(max_length=300)
+
+    class Meta:
+        verbose_name = "stored file"
+        ordering = ["created_at", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.id} {self.filename}"
+
+
 class JobRow(models.Model):
     """What every long job's row holds (inference/jobs/feed.py reads and writes these): its state,
     who asked, the cancel flag a client that left sets, the error, and its times."""

@@ -100,3 +100,22 @@ def test_a_raw_stream_ends_with_usage_telemetry_and_done(server):
     assert final["choices"][0]["finish_reason"] == "length"
     assert final["usage"]["completion_tokens"] == 5
     assert "hypnos_telemetry" in final
+
+
+def test_the_sdk_uploads_lists_reads_and_deletes_a_batch_file(server, tmp_path):
+    lines = [
+        {"custom_id": f"q{i}", "method": "POST", "url": "/v1/embeddings", "body": {"model": "e", "input": "hi"}}
+        for i in range(3)
+    ]
+    source = tmp_path / "requests.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    client = sdk(server)
+    created = client.files.create(file=source.open("rb"), purpose="batch")
+    assert created.id.startswith("file-") and created.filename == "requests.jsonl"
+    assert created.bytes == source.stat().st_size and created.purpose == "batch"
+    assert created.id in [f.id for f in client.files.list(purpose="batch")]
+    assert client.files.retrieve(created.id).bytes == created.bytes
+    assert client.files.content(created.id).read() == source.read_bytes()
+    assert client.files.delete(created.id).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(created.id)

@@ -363,6 +363,11 @@ V1_ROUTES = [
         path=fz.document_ids.map(lambda i: f"documents/{i}"),
         weight=2,
     ),
+    # The Files API: the listing, an upload (multipart only: a JSON body is refused) and ids
+    # made up (a real one is learnt only from an upload's answer).
+    Route("files", ("GET", "POST")),
+    Route("files/<str:file_id>", ("GET", "DELETE"), path=fz.path_ids.map(lambda i: f"files/{i}")),
+    Route("files/<str:file_id>/content", ("GET", "HEAD"), path=fz.path_ids.map(lambda i: f"files/{i}/content")),
     Route(
         "^.*$",
         ("GET", "POST", "DELETE"),

@@ -58,6 +58,9 @@ OPEN_TO_EVERY_KEY = {
     # Anthropic's Messages API (issue 17).
     anthropic_views.MessagesView,
     anthropic_views.CountTokensView,
+    # The Files API: a key uploads and deletes only its own files (logs/files.py).
+    views.FilesView,
+    views.FileView,
 }
 # What a route's URL parameters are filled with when it is called.
 SAMPLE_ARGUMENTS = {
@@ -66,6 +69,7 @@ SAMPLE_ARGUMENTS = {
     "document_id": "doc-" + "0" * 32,
     "index": "1",
     "key": "no-such-key",
+    "file_id": "file-" + "0" * 32,
 }
 
 

@@ -238,3 +238,9 @@ class DocumentConvertRequest(_Wire):
         if value is not None and ("\x00" in value or "/" in value or "\\" in value):
             raise ValueError("must be a file name, without a path or NUL characters")
         return value
+
+
+class FileUploadRequest(_Wire):
+    """POST /v1/files: the form's fields beside its `file` part (what the OpenAI SDKs send)."""
+
+    purpose: str = Field(description='What the file is for: "batch", a Batch API input (JSONL, one request a line).')

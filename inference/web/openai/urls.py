@@ -28,5 +28,8 @@ urlpatterns = [
     path("images/edits", views.ImageFormView.as_view(op="edit")),
     path("images/variations", views.ImageFormView.as_view(op="variation")),
     path("images/upscale", views.ImageUpscaleView.as_view()),
+    path("files", views.FilesView.as_view()),
+    path("files/<str:file_id>", views.FileView.as_view()),
+    path("files/<str:file_id>/content", views.FileContentView.as_view()),
     re_path(r"^.*$", UnknownRouteView.as_view()),
 ]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from asgiref.sync import sync_to_async
-from django.http import JsonResponse
+from django.http import JsonResponse, StreamingHttpResponse
 from rest_framework.parsers import BaseParser
 from rest_framework.request import Request
 
@@ -34,8 +36,9 @@ from inference.web.openai.protocol import (
     ResponsesRequest,
 )
 from inference.web.openai.protocol_media import EmbeddingRequest, EntityRequest, SpeechRequest
+from logs import files
 from models_registry.api_view import APIView
-from models_registry.authentication import IsAdminKey, IsAdminKeyForChanges, is_admin
+from models_registry.authentication import ApiPrincipal, IsAdminKey, IsAdminKeyForChanges, is_admin
 
 
 class ChatCompletionsView(APIView):
@@ -259,3 +262,70 @@ class KvParkView(APIView):
         if body.enabled is None and body.max_bytes is None:
             raise InvalidRequest("Send enabled, max_bytes or both.")
         return JsonResponse(await get_client().control("kv_park", body.model_dump()))
+
+
+def caller(request: Request) -> ApiPrincipal | None:
+    """The key that calls (ApiKeyAuthentication leaves it in request.auth), or None when no key
+    is configured."""
+    return cast(ApiPrincipal | None, request.auth)
+
+
+class FilesView(APIView):
+    """GET /v1/files lists the caller's files; POST uploads one (multipart: `file`, `purpose`).
+    A key sees, reads and deletes only its own files (admin keys all): logs/files.py."""
+
+    parser_classes: list[type[BaseParser]] = [MultiPartParser]
+
+    async def get(self, request: Request) -> JsonResponse:
+        params = request.query_params
+        try:
+            limit = int(params.get("limit", 10_000))
+        except ValueError:
+            raise InvalidRequest("limit must be an integer.", param="limit") from None
+        listing = await sync_to_async(files.list_files)(
+            caller(request),
+            purpose=params.get("purpose"),
+            limit=limit,
+            after=params.get("after"),
+            order=params.get("order", "desc"),
+        )
+        return JsonResponse(listing)
+
+    async def post(self, request: Request) -> JsonResponse:
+        form = request.data
+        if not isinstance(form, dict):
+            raise InvalidRequest("The body must be multipart/form-data with file and purpose.")
+        upload = form.get("file")
+        if upload is None or not hasattr(upload, "chunks"):
+            raise InvalidRequest("file is required: the file to upload, as a multipart part.", param="file")
+        purpose = form.get("purpose")
+        if not isinstance(purpose, str) or not purpose:
+            raise InvalidRequest("purpose is required (batch).", param="purpose")
+        stored = await sync_to_async(files.store_upload, thread_sensitive=False)(
+            upload.chunks(),
+            size=upload.size,
+            filename=upload.name or "upload.jsonl",
+            purpose=purpose,
+            owner=getattr(request.auth, "label", None),
+        )
+        return JsonResponse(stored)
+
+
+class FileView(APIView):
+    async def get(self, request: Request, file_id: str) -> JsonResponse:
+        return JsonResponse(files.file_object(await sync_to_async(files.find_file)(file_id, caller(request))))
+
+    async def delete(self, request: Request, file_id: str) -> JsonResponse:
+        return JsonResponse(await sync_to_async(files.delete_file)(file_id, caller(request)))
+
+
+class FileContentView(_AnyAccept, APIView):
+    """The file's bytes as they were uploaded, streamed from disk."""
+
+    async def get(self, request: Request, file_id: str) -> StreamingHttpResponse:
+        row = await sync_to_async(files.find_file)(file_id, caller(request))
+        path = await sync_to_async(files.content_path)(row)
+        response = StreamingHttpResponse(files.read_chunks(path), content_type="application/octet-stream")
+        response["Content-Length"] = str(row.bytes)
+        response["Cache-Control"] = "private, no-store"
+        return response

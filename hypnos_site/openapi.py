@@ -153,6 +153,7 @@ BODIES: dict[object, Body] = {
         streams="With `stream: true`, server-sent events: one per page as it is converted, then the document.",
     ),
     inference_views.FilesView: Body(protocol_media.FileUploadRequest, reads=(MULTIPART,), files=("file",)),
+    inference_views.BatchesView: Body(protocol.BatchCreateRequest),
     inference_views.FileContentView: Body(answers=("application/octet-stream",)),
     lemonade_views.LemonadeLoadView: Body(protocol_lemonade.LemonadeLoadRequest),
     lemonade_views.LemonadePullView: Body(

@@ -3,7 +3,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.db.models import Count
 
-from logs.models import DocumentJob, ImageJob, RequestLogEntry, StoredDocument, StoredFile, StoredPicture
+from logs.models import Batch, DocumentJob, ImageJob, RequestLogEntry, StoredDocument, StoredFile, StoredPicture
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -158,3 +158,27 @@ class ImageJobAdmin(ReadOnlyAdmin):
     @admin.display(description="duration (ms)")
     def job_duration_ms(self, job: ImageJob) -> float | None:
         return job.duration_ms
+
+
+@admin.register(Batch)
+class BatchAdmin(ReadOnlyAdmin, NoDeleteAdmin):
+    """The Batch API's batches (inference/jobs/batches.py runs them): progress, the model a
+    running batch holds, the files it read and wrote, and why one failed."""
+
+    list_display = [
+        "id",
+        "status",
+        "endpoint",
+        "owner_label",
+        "progress",
+        "completed",
+        "failed",
+        "current_model",
+        "created_at",
+    ]
+    list_filter = ["status", "endpoint", "owner_label"]
+    search_fields = ["id", "input_file_id", "output_file_id", "error_file_id"]
+
+    @admin.display(description="lines done")
+    def progress(self, batch: Batch) -> str:
+        return f"{batch.completed + batch.failed}/{batch.total}"

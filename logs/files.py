@@ -126,6 +126,37 @@ def store_upload(
     return file_object(row)
 
 
+def new_temporary() -> Path:
+    """An empty temporary file in the store's folder, for the server to write a file into and
+    then keep with keep_written (a batch's output)."""
+    root = _root()
+    root.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=root, prefix=".output-", suffix=".tmp")
+    os.close(fd)
+    return Path(name)
+
+
+def keep_written(temporary: Path, *, filename: str, purpose: str, owner: str | None) -> StoredFile:
+    """A file the server wrote (new_temporary) kept as a file of `owner`: renamed into place,
+    then recorded; the key's byte bound does not refuse it (it is the answer to work it asked)."""
+    file_id = new_file_id()
+    final = _root() / file_id
+    os.replace(temporary, final)
+    try:
+        return StoredFile.objects.create(
+            id=file_id,
+            owner_label=owner,
+            purpose=purpose,
+            filename=filename,
+            bytes=final.stat().st_size,
+            created_at=timezone.now(),
+            file=str(final.relative_to(settings.HYPNOS.data_dir)),
+        )
+    except BaseException:
+        final.unlink(missing_ok=True)
+        raise
+
+
 def check_batch_lines(path: Path) -> None:
     """A batch input: UTF-8 JSONL, every non-blank line a JSON object, at most MAX_BATCH_LINES
     of them. Read a line at a time; each line's nesting is bounded before it is parsed."""

@@ -155,6 +155,63 @@ class StoredFile(models.Model):
         return f"{self.id} {self.filename}"
 
 
+class Batch(models.Model):
+    """A batch of the Batch API (POST /v1/batches): an input file of requests to one endpoint, run
+    line by line as a Celery job (inference/jobs/batches.py) into an output and an error file.
+    Its status and counts are OpenAI's; `cancel_requested` is set by POST .../cancel and read by
+    the job before each line."""
+
+    STATUSES = [
+        (s, s)
+        for s in (
+            "validating",
+            "in_progress",
+            "finalizing",
+            "completed",
+            "failed",
+            "cancelling",
+            "cancelled",
+            "expired",
+        )
+    ]
+
+    id = models.CharField(max_length=40, primary_key=True)
+    owner_label = models.CharField(max_length=100, null=True, blank=True, db_index=True)
+    endpoint = models.CharField(max_length=40)
+    input_file_id = models.CharField(max_length=40)
+    completion_window = models.CharField(max_length=10, default="24h")
+    metadata = models.JSONField(null=True, blank=True)
+    status = models.CharField(max_length=12, choices=STATUSES, default="validating")
+    # Why the batch failed as a whole (OpenAI's `errors.data`), else null.
+    errors = models.JSONField(null=True, blank=True)
+    output_file_id = models.CharField(max_length=40, blank=True)
+    error_file_id = models.CharField(max_length=40, blank=True)
+    total = models.PositiveIntegerField(default=0)
+    completed = models.PositiveIntegerField(default=0)
+    failed = models.PositiveIntegerField(default=0)
+    # The model the job is running lines for now ("" between models and when not running).
+    current_model = models.CharField(max_length=200, blank=True)
+    cancel_requested = models.BooleanField(default=False)
+    # Until when the job that runs the batch holds it (renewed while it runs): a second delivery
+    # of its task (Celery redelivers an unacknowledged one) waits instead of running lines twice.
+    lease_until = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(db_index=True)
+    expires_at = models.DateTimeField()
+    in_progress_at = models.DateTimeField(null=True, blank=True)
+    finalizing_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    failed_at = models.DateTimeField(null=True, blank=True)
+    cancelling_at = models.DateTimeField(null=True, blank=True)
+    cancelled_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "batches"
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.id} {self.status} {self.completed + self.failed}/{self.total}"
+
+
 class JobRow(models.Model):
     """What every long job's row holds (inference/jobs/feed.py reads and writes these): its state,
     who asked, the cancel flag a client that left sets, the error, and its times."""

@@ -195,6 +195,34 @@ def _key_check(header: str, required: bool, find: Callable[[str], ApiPrincipal |
     return KeyCheck(required=True, principal=principal) if principal else None
 
 
+def check_for_label(label: str | None) -> KeyCheck:
+    """The KeyCheck of the key labelled `label` as it stands now (work a key left to run later,
+    a batch's lines): its current rights and limits, or a 401's reason when it is gone or
+    revoked. `None` is the open API's caller. Reads the database: call it from a sync context."""
+    if not keys_required():
+        return KeyCheck(required=False)
+    gone = KeyCheck(required=True, problem="The key that created this work is no longer active.")
+    if label is None:
+        return gone
+    for _, principal in _config_principals():
+        if principal.label == label:
+            return KeyCheck(required=True, principal=principal)
+    record = ApiKey.objects.filter(label=label, active=True).first()
+    if record is None:
+        return gone
+    return KeyCheck(
+        required=True,
+        principal=ApiPrincipal(
+            label=record.label,
+            admin=record.admin,
+            requests_per_minute=record.requests_per_minute,
+            max_concurrent=record.max_concurrent,
+            tokens_per_day=record.tokens_per_day,
+            models=split_models(record.allowed_models),
+        ),
+    )
+
+
 def authorization_header(request: HttpRequest) -> str:
     """The request's key as an Authorization header: `Authorization`, else Anthropic's `x-api-key`."""
     header = request.META.get("HTTP_AUTHORIZATION", "")

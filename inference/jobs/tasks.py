@@ -32,6 +32,28 @@ def make_images(job_id: str) -> dict[str, Any] | None:
     return asyncio.run(_run(run_job, job_id))
 
 
+@shared_task(
+    bind=True,
+    name="hypnos.run_batch",
+    ignore_result=False,
+    acks_late=True,
+    reject_on_worker_lost=True,
+    max_retries=None,
+)
+def run_batch(self: Any, batch_id: str) -> dict[str, Any] | None:
+    """Run Batch `batch_id`'s lines (inference/jobs/batches.py); acknowledged when it ends, so a
+    Celery worker that dies mid-batch leaves it to the next, which resumes after the last
+    result written. A second delivery while a job still holds the batch waits for its hold."""
+    from inference.jobs.batches import BatchHeld, run_job
+
+    try:
+        return asyncio.run(_run(run_job, batch_id))
+    except BatchHeld as held:
+        if settings.CELERY_TASK_ALWAYS_EAGER:  # embedded: the job that holds it is in this process
+            return None
+        raise self.retry(countdown=held.retry_in) from held
+
+
 async def _run(run_job: JobRunner, job_id: str) -> dict[str, Any] | None:
     if settings.HYPNOS.server.deployment != "distributed":
         from inference.jobs.feed import local_channels

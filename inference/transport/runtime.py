@@ -10,6 +10,7 @@ the embedded worker is first needed, so a distributed web process never imports 
 from __future__ import annotations
 
 import atexit
+import contextvars
 import ctypes
 import threading
 from collections.abc import Iterator
@@ -63,6 +64,17 @@ class InferenceRuntime:
             trim_heap()
 
     @contextmanager
+    def using(self, client: InferenceClient) -> Iterator[InferenceClient]:
+        """`client` for the code that runs in this context (this task and the tasks it starts)
+        until the block ends: a Celery job that serves requests through the URL table on an
+        event loop of its own, with a channel layer of its own (inference/jobs/batches.py)."""
+        token = _context_client.set(client)
+        try:
+            yield client
+        finally:
+            _context_client.reset(token)
+
+    @contextmanager
     def serving(self, worker: Worker) -> Iterator[Worker]:
         """Route the client to `worker` in-process until the block ends (tests: a worker with its
         own config), then back to the client before it."""
@@ -107,8 +119,9 @@ def trim_heap() -> None:
 
 
 runtime = InferenceRuntime()
+_context_client: contextvars.ContextVar[InferenceClient | None] = contextvars.ContextVar("hypnos_client", default=None)
 
 
 def get_client() -> InferenceClient:
-    """The process's client (`runtime.client()`)."""
-    return runtime.client()
+    """The client of this context (`runtime.using`), else the process's (`runtime.client()`)."""
+    return _context_client.get() or runtime.client()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import openai
@@ -119,3 +120,35 @@ def test_the_sdk_uploads_lists_reads_and_deletes_a_batch_file(server, tmp_path):
     assert client.files.delete(created.id).deleted is True
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(created.id)
+
+
+def test_the_sdk_runs_a_batch_to_its_output_file(server, tmp_path):
+    """A batch submitted, run by the deployment's jobs (a Celery worker, distributed; a thread,
+    embedded) and read back as the SDK reads it: every custom_id answered once, in order."""
+    questions = [f"What is {i} plus {i}?" for i in range(6)]
+    lines = [
+        {
+            "custom_id": f"q{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 8},
+        }
+        for i, text in enumerate(questions)
+    ]
+    source = tmp_path / "batch.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    client = sdk(server)
+    uploaded = client.files.create(file=source.open("rb"), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert batch.status == "in_progress" and batch.request_counts.total == 6
+    deadline = time.monotonic() + 240
+    while batch.status not in ("completed", "failed", "cancelled", "expired"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.25)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (6, 0)
+    output = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [line["custom_id"] for line in output] == [f"q{i}" for i in range(6)]
+    assert all(line["response"]["status_code"] == 200 for line in output)
+    assert batch.id in [b.id for b in client.batches.list()]

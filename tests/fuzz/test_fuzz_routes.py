@@ -49,6 +49,7 @@ from inference.transport.deadline import within
 from inference.web.common import pulls as ollama_pull
 from inference.web.openai.protocol import (
     AdvisorRequest,
+    BatchCreateRequest,
     ChatCompletionRequest,
     CompletionRequest,
     InternalSetRequest,
@@ -368,6 +369,11 @@ V1_ROUTES = [
     Route("files", ("GET", "POST")),
     Route("files/<str:file_id>", ("GET", "DELETE"), path=fz.path_ids.map(lambda i: f"files/{i}")),
     Route("files/<str:file_id>/content", ("GET", "HEAD"), path=fz.path_ids.map(lambda i: f"files/{i}/content")),
+    # The Batch API: listing, creating from made-up file ids (a real one comes from an upload),
+    # reading and cancelling made-up batches.
+    Route("batches", ("GET", "POST"), fz.wire_body(BatchCreateRequest)),
+    Route("batches/<str:batch_id>", ("GET",), path=fz.path_ids.map(lambda i: f"batches/{i}")),
+    Route("batches/<str:batch_id>/cancel", ("POST",), path=fz.path_ids.map(lambda i: f"batches/{i}/cancel")),
     Route(
         "^.*$",
         ("GET", "POST", "DELETE"),

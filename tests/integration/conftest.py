@@ -64,7 +64,7 @@ async def api(worker: Worker, db: None) -> AsyncIterator[AsyncClient]:
 async def jobs_settled(timeout: float = 60.0) -> None:
     """Wait for the embedded deployment's job threads (inference.jobs.feed.dispatch) to end."""
     for thread in threading.enumerate():
-        if thread.name.startswith(("hypnos-job-", "hypnos-img-")):
+        if thread.name.startswith(("hypnos-job-", "hypnos-img-", "hypnos-batch_")):
             await asyncio.to_thread(thread.join, timeout)
 
 

@@ -61,6 +61,9 @@ OPEN_TO_EVERY_KEY = {
     # The Files API: a key uploads and deletes only its own files (logs/files.py).
     views.FilesView,
     views.FileView,
+    # The Batch API: a key creates and cancels only its own batches (logs/batches.py).
+    views.BatchesView,
+    views.BatchCancelView,
 }
 # What a route's URL parameters are filled with when it is called.
 SAMPLE_ARGUMENTS = {
@@ -70,6 +73,7 @@ SAMPLE_ARGUMENTS = {
     "index": "1",
     "key": "no-such-key",
     "file_id": "file-" + "0" * 32,
+    "batch_id": "batch_" + "0" * 32,
 }
 
 

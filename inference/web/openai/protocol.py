@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from hypnos_site.config import MAX_CONTEXT_LEN
 from hypnos_site.errors import InvalidRequest
@@ -275,3 +275,19 @@ class AdvisorRequest(_Wire):
     vram_bytes: int | None = Field(default=None, ge=0)
     ram_bytes: int | None = Field(default=None, ge=1)
     unified_memory: bool | None = None
+
+
+class BatchCreateRequest(_Wire):
+    """POST /v1/batches (OpenAI's Batch API)."""
+
+    input_file_id: str = Field(min_length=1, max_length=100)
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(default=None, max_length=16)
+
+    @field_validator("metadata")
+    @classmethod
+    def _keys(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None and any(len(key) > 64 for key in value):
+            raise ValueError("a metadata key is at most 64 characters")
+        return value

@@ -31,5 +31,8 @@ urlpatterns = [
     path("files", views.FilesView.as_view()),
     path("files/<str:file_id>", views.FileView.as_view()),
     path("files/<str:file_id>/content", views.FileContentView.as_view()),
+    path("batches", views.BatchesView.as_view()),
+    path("batches/<str:batch_id>", views.BatchView.as_view()),
+    path("batches/<str:batch_id>/cancel", views.BatchCancelView.as_view()),
     re_path(r"^.*$", UnknownRouteView.as_view()),
 ]

@@ -10,6 +10,7 @@ from rest_framework.parsers import BaseParser
 from rest_framework.request import Request
 
 from hypnos_site.errors import EngineTimeout, InvalidRequest
+from inference.jobs.feed import dispatch
 from inference.transport.runtime import get_client
 from inference.web.common import catalog as models
 from inference.web.common import latency, pool
@@ -27,6 +28,7 @@ from inference.web.openai import serving_images as images
 from inference.web.openai import serving_responses as responses
 from inference.web.openai.protocol import (
     AdvisorRequest,
+    BatchCreateRequest,
     ChatCompletionRequest,
     CompletionRequest,
     InternalSetRequest,
@@ -36,7 +38,7 @@ from inference.web.openai.protocol import (
     ResponsesRequest,
 )
 from inference.web.openai.protocol_media import EmbeddingRequest, EntityRequest, SpeechRequest
-from logs import files
+from logs import batches, files
 from models_registry.api_view import APIView
 from models_registry.authentication import ApiPrincipal, IsAdminKey, IsAdminKeyForChanges, is_admin
 
@@ -329,3 +331,48 @@ class FileContentView(_AnyAccept, APIView):
         response["Content-Length"] = str(row.bytes)
         response["Cache-Control"] = "private, no-store"
         return response
+
+
+class BatchesView(APIView):
+    """GET /v1/batches lists the caller's batches; POST creates one from an uploaded input file
+    (every line checked first) and hands it to the job (inference/jobs/batches.py)."""
+
+    parser_classes: list[type[BaseParser]] = [JSONParser]
+
+    async def get(self, request: Request) -> JsonResponse:
+        try:
+            limit = int(request.query_params.get("limit", 20))
+        except ValueError:
+            raise InvalidRequest("limit must be an integer.", param="limit") from None
+        listing = await sync_to_async(batches.list_batches)(
+            caller(request), limit=limit, after=request.query_params.get("after")
+        )
+        return JsonResponse(listing)
+
+    async def post(self, request: Request) -> JsonResponse:
+        from inference.jobs.tasks import run_batch
+
+        body = parse_body(BatchCreateRequest, request.data)
+        batch = await sync_to_async(batches.create_batch, thread_sensitive=False)(
+            caller(request),
+            input_file_id=body.input_file_id,
+            endpoint=body.endpoint,
+            completion_window=body.completion_window,
+            metadata=body.metadata,
+        )
+        try:
+            await dispatch(run_batch, batch.id)
+        except Exception as exc:
+            await sync_to_async(batches.fail)(batch.id, str(exc))
+            raise
+        return JsonResponse(batches.batch_object(batch))
+
+
+class BatchView(APIView):
+    async def get(self, request: Request, batch_id: str) -> JsonResponse:
+        return JsonResponse(batches.batch_object(await sync_to_async(batches.find_batch)(batch_id, caller(request))))
+
+
+class BatchCancelView(APIView):
+    async def post(self, request: Request, batch_id: str) -> JsonResponse:
+        return JsonResponse(batches.batch_object(await sync_to_async(batches.cancel_batch)(batch_id, caller(request))))

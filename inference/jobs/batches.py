@@ -1,0 +1,188 @@
+"""The Batch API's job: a batch's lines run one at a time through the server's own URL table.
+
+Each line is a request to the batch's endpoint, made in this process through Django's ASGI
+handler, the same middleware and views an HTTP request meets: the key's rights and quotas
+(tokens per day) count as the lines run, each line has its request id and its request-log entry,
+and its answer is the route's own, status and body. The request carries the KeyCheck of the
+batch's key (as it stands when the job starts) on its ASGI scope; no client can put one there
+(a scope is made by the server from the connection), and this handler is never the one that
+serves the socket.
+
+Lines run grouped by model, so each model is promoted once, and one at a time, so a batch holds
+one slot of one model while interactive requests take the others. Before each line the job
+reads the batch's cancel flag. Each result is written (logs.batches.append_result) before the
+next line starts; a job started again skips the written ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.core.handlers.asgi import ASGIHandler, ASGIRequest
+from django.db.models import F, Q
+from django.utils import timezone
+
+from inference.transport.client import InferenceClient
+from inference.transport.runtime import runtime
+from logs import batches, files
+from logs.models import Batch, StoredFile
+from models_registry.authentication import KeyCheck, check_for_label
+
+log = logging.getLogger(__name__)
+KEY_CHECK = "hypnos.key_check"
+# How long a job's hold on its batch lasts unless renewed (every third of it while it runs).
+LEASE_SECS = 60.0
+
+
+class BatchHeld(Exception):
+    """Another job holds the batch (a second delivery of its task): try again once its hold
+    would have lapsed."""
+
+    def __init__(self, retry_in: float) -> None:
+        super().__init__(f"held by another job for {retry_in:.0f} s more")
+        self.retry_in = retry_in
+
+
+class _LineRequest(ASGIRequest):
+    """A batch line's request: authenticated by the KeyCheck the job put on its scope."""
+
+    def __init__(self, scope: dict[str, Any], body_file: Any) -> None:
+        super().__init__(scope, body_file)
+        self.hypnos_key_check = scope[KEY_CHECK]
+
+
+class _LineHandler(ASGIHandler):
+    request_class = _LineRequest
+
+
+async def call(handler: ASGIHandler, path: str, body: bytes, check: KeyCheck) -> tuple[int, str, Any]:
+    """POST `body` to `path` through `handler`: the answer's status, request id and JSON body."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [
+            (b"host", b"localhost"),
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"user-agent", b"hypnos-batch"),
+        ],
+        "client": ("127.0.0.1", 0),
+        "server": ("localhost", 80),
+        KEY_CHECK: check,
+    }
+    delivered = False
+    status, headers, chunks = 500, [], []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # the caller never leaves: the handler cancels this wait
+        raise AssertionError("unreachable")
+
+    async def send(message: Mapping[str, Any]) -> None:
+        nonlocal status, headers
+        if message["type"] == "http.response.start":
+            status, headers = message["status"], message.get("headers", [])
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await handler(scope, receive, send)
+    request_id = next((v.decode() for k, v in headers if k.lower() == b"x-request-id"), "")
+    raw = b"".join(chunks)
+    try:
+        answer: Any = json.loads(raw)
+    except ValueError:
+        answer = {"error": {"message": raw.decode(errors="replace")[:1000], "type": "server_error"}}
+    return status, request_id, answer
+
+
+async def run_job(batch_id: str, client: InferenceClient, channels: Any) -> dict[str, Any] | None:
+    """Run the batch's pending lines, then write its output and error files; the batch ends
+    completed, cancelled (its cancel flag seen before a line) or failed (the job itself broke)."""
+    batch = await Batch.objects.aget(id=batch_id)
+    if batch.status in batches.TERMINAL:
+        return None
+    now = timezone.now()
+    free = Q(lease_until__isnull=True) | Q(lease_until__lt=now)
+    if not await Batch.objects.filter(free, id=batch_id).aupdate(lease_until=now + timedelta(seconds=LEASE_SECS)):
+        held = await Batch.objects.aget(id=batch_id)
+        raise BatchHeld(max((held.lease_until - now).total_seconds(), 1.0) if held.lease_until else 1.0)
+    keeper = asyncio.create_task(_keep_lease(batch_id))
+    try:
+        return await _run(batch, client)
+    except Exception as exc:
+        log.exception("batch %s failed", batch_id)
+        await Batch.objects.filter(id=batch_id).aupdate(
+            status="failed",
+            failed_at=timezone.now(),
+            current_model="",
+            errors=[{"code": "server_error", "message": f"{type(exc).__name__}: {exc}", "param": None, "line": None}],
+        )
+        return None
+    finally:
+        keeper.cancel()
+        await Batch.objects.filter(id=batch_id).aupdate(lease_until=None)
+
+
+async def _keep_lease(batch_id: str) -> None:
+    while True:
+        await asyncio.sleep(LEASE_SECS / 3)
+        await Batch.objects.filter(id=batch_id).aupdate(lease_until=timezone.now() + timedelta(seconds=LEASE_SECS))
+
+
+async def _run(batch: Batch, client: InferenceClient) -> dict[str, Any]:
+    source = await StoredFile.objects.aget(id=batch.input_file_id)
+    path = await sync_to_async(files.content_path)(source)
+    lines = await asyncio.to_thread(batches.read_lines, path, batch.endpoint)
+    written = await asyncio.to_thread(batches.written_results, batch.id)
+    ok = sum(1 for result in written.values() if result["ok"])
+    await Batch.objects.filter(id=batch.id).aupdate(completed=ok, failed=len(written) - ok)
+    check = await sync_to_async(check_for_label)(batch.owner_label)
+    handler = _LineHandler()
+    cancelled = False
+    model = ""
+    with runtime.using(client):
+        for line in batches.iter_pending(lines, set(written)):
+            if await Batch.objects.filter(id=batch.id, cancel_requested=True).aexists():
+                cancelled = True
+                break
+            if line.model != model:
+                model = line.model
+                await Batch.objects.filter(id=batch.id).aupdate(current_model=model)
+            body = await sync_to_async(batches.request_body)(batch, line)
+            status, request_id, answer = await call(handler, batch.endpoint, body, check)
+            succeeded = 200 <= status < 300
+            output = batches.output_line(line.custom_id, status, request_id, answer)
+            await asyncio.to_thread(batches.append_result, batch.id, line.index, succeeded, output)
+            counter = "completed" if succeeded else "failed"
+            await Batch.objects.filter(id=batch.id).aupdate(**{counter: F(counter) + 1})
+    cancelled = cancelled or await Batch.objects.filter(id=batch.id, cancel_requested=True).aexists()
+    await Batch.objects.filter(id=batch.id).aupdate(status="finalizing", finalizing_at=timezone.now(), current_model="")
+    batch = await Batch.objects.aget(id=batch.id)
+    output_id, error_id = await sync_to_async(batches.write_outputs)(batch, lines)
+    now = timezone.now()
+    ended = {"cancelled_at": now} if cancelled else {"completed_at": now}
+    await Batch.objects.filter(id=batch.id).aupdate(
+        status="cancelled" if cancelled else "completed",
+        output_file_id=output_id,
+        error_file_id=error_id,
+        **ended,
+    )
+    await asyncio.to_thread(batches.results_path(batch.id).unlink, missing_ok=True)
+    batch = await Batch.objects.aget(id=batch.id)
+    return {"completed": batch.completed, "failed": batch.failed}

@@ -78,6 +78,8 @@ async def call(handler: ASGIHandler, path: str, body: bytes, check: KeyCheck) ->
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"user-agent", b"hypnos-batch"),
+            # A slot only while no interactive request waits for one (inference/worker/core.py).
+            (b"x-hypnos-priority", b"background"),
         ],
         "client": ("127.0.0.1", 0),
         "server": ("localhost", 80),

@@ -170,6 +170,9 @@ class EngineRequest(_Work):
     deadline_ms: float | None = None
     # x-hypnos-next-model: the model to bring up meanwhile.
     next_model: str | None = None
+    # x-hypnos-priority: background (a batch's lines): it takes a slot of its model only while
+    # no other request waits for one.
+    background: bool = False
 
     @property
     def op(self) -> str:

@@ -333,7 +333,7 @@ class Worker:
             sink = self._faulty(request.request_id, sink)
         cancel = threading.Event()
         self._cancels[request.request_id] = cancel
-        self._executor.submit(self._run, runtime, request.request_id, work, cancel, sink)
+        self._executor.submit(self._run, runtime, request.request_id, work, cancel, sink, request.background)
         if request.next_model:
             self._executor.submit(self._prefetch, request.next_model)
 
@@ -497,6 +497,29 @@ class Worker:
         wait += self.tiers.reload_estimate_ms(runtime.config.id) or 0.0
         return round(wait, 1)
 
+    def _take_slot(self, runtime: ModelRuntime, cancel: threading.Event, background: bool) -> bool:
+        """Wait for one of the model's slots (False: the request was cancelled meanwhile). An
+        interactive request is counted as waiting until it has one; a background one (a batch's
+        line) does not try while any interactive request waits, so it never takes the slot that
+        one is waiting for."""
+        if background:
+            # Never blocked inside the semaphore: a slot released goes to a request blocked there.
+            while not cancel.is_set():
+                if runtime.interactive_waiting == 0 and runtime.slots.acquire(blocking=False):
+                    return True
+                cancel.wait(SLOT_POLL_SECS)
+            return False
+        with self._lock:
+            runtime.interactive_waiting += 1
+        try:
+            while not runtime.slots.acquire(timeout=SLOT_POLL_SECS):
+                if cancel.is_set():
+                    return False
+            return True
+        finally:
+            with self._lock:
+                runtime.interactive_waiting -= 1
+
     def _run(
         self,
         runtime: ModelRuntime,
@@ -504,15 +527,15 @@ class Worker:
         work: ChatWork | MediaWork | DocumentWork | EntityWork | ImageWork,
         cancel: threading.Event,
         sink: Sink,
+        background: bool = False,
     ) -> None:
         arrived = time.perf_counter()
         holding_slot = False
         lease: Lease | None = None
         final: Event | None = None
         try:
-            while not runtime.slots.acquire(timeout=SLOT_POLL_SECS):
-                if cancel.is_set():
-                    return
+            if not self._take_slot(runtime, cancel, background):
+                return
             holding_slot = True
             with self.moves.placement_lock:
                 engine = self.moves.engine(runtime)

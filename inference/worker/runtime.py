@@ -35,6 +35,9 @@ class ModelRuntime:
     load_lock: threading.Lock = field(default_factory=threading.Lock)
     slots: threading.BoundedSemaphore = field(init=False)
     admitted: int = 0
+    # Interactive requests waiting for a slot now: a background one (a batch's line) waits while
+    # there is any.
+    interactive_waiting: int = 0
     loads: int = 0
     load_failures: int = 0
     problem: str | None = None

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from inference.transport.deadline import within
 from inference.worker import Worker
 from tests.conftest import PARIS_MESSAGES
 from tests.integration.conftest import post_json, wait_until, with_limits
@@ -123,3 +124,41 @@ async def test_a_shedding_profile_refuses_what_its_objective_cannot_meet(api, se
         }
     finally:
         worker.shutdown()
+
+
+async def test_a_background_request_takes_a_slot_only_while_no_interactive_one_waits(api, worker):
+    """x-hypnos-priority: background (a batch's lines): with every slot of the model taken, a
+    background request and then an interactive one wait; the slot freed goes to the interactive
+    one, though it came second."""
+    embed = "all-minilm-l6-v2"
+    warm = await post_json(api, "/v1/embeddings", {"model": embed, "input": "warm up"})
+    assert warm.status_code == 200
+    runtime = worker.models[embed]
+    held = 0
+    while runtime.slots.acquire(blocking=False):
+        held += 1
+    finished: list[str] = []
+
+    async def call(name: str, **headers: str) -> None:
+        response = await post_json(api, "/v1/embeddings", {"model": embed, "input": name}, **headers)
+        assert response.status_code == 200, response.content
+        finished.append(name)
+
+    try:
+        background = asyncio.create_task(call("background", **{"x-hypnos-priority": "background"}))
+        assert await wait_until(lambda: runtime.admitted == 1, 30)
+        interactive = asyncio.create_task(call("interactive"))
+        assert await wait_until(lambda: runtime.interactive_waiting == 1, 30)
+        runtime.slots.release()  # one slot: the interactive request's, though it came second
+        held -= 1
+        await within(asyncio.gather(background, interactive), 120)
+    finally:
+        for _ in range(held):
+            runtime.slots.release()
+    assert finished == ["interactive", "background"]
+
+
+async def test_an_unknown_priority_is_a_400(api):
+    body = {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 2}
+    response = await post_json(api, URL, body, **{"x-hypnos-priority": "urgent"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "x-hypnos-priority"

@@ -22,6 +22,8 @@ class RequestContext:
     deadline_ms: float | None = None
     # x-hypnos-next-model: the model the client will call next, loaded meanwhile.
     next_model: str | None = None
+    # x-hypnos-priority: background: a slot only while no interactive request waits for one.
+    background: bool = False
     # The call's structured record (logs.middleware hangs it on the request; a call made
     # without one, a pipeline stage or a realtime turn, gets its own).
     record: CallRecord = field(default_factory=CallRecord, compare=False)
@@ -40,11 +42,15 @@ class RequestContext:
                 )
         else:
             deadline_ms = None
+        priority = request.headers.get("x-hypnos-priority", "interactive")
+        if priority not in ("interactive", "background"):
+            raise InvalidRequest("x-hypnos-priority must be interactive or background", param="x-hypnos-priority")
         record = getattr(request, "hypnos_call", None) or CallRecord()
         return cls(
             request.hypnos_request_id,  # type: ignore[attr-defined]
             deadline_ms,
             request.headers.get("x-hypnos-next-model") or None,
+            priority == "background",
             record,
         )
 
@@ -64,7 +70,12 @@ async def start_call(
     """Submit the work with the context's deadline and next model; the call fills the record."""
     ctx.record.work = work.kind
     request = EngineRequest(
-        request_id=ctx.request_id, model=model.id, work=work, deadline_ms=ctx.deadline_ms, next_model=ctx.next_model
+        request_id=ctx.request_id,
+        model=model.id,
+        work=work,
+        deadline_ms=ctx.deadline_ms,
+        next_model=ctx.next_model,
+        background=ctx.background,
     )
     return await client.start(request, ctx.record)
 

@@ -3,6 +3,7 @@ opens while the startup models are staged."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hypnos_site.settings")
@@ -20,6 +21,17 @@ if settings.HYPNOS.server.deployment == "embedded":
 
     # The pool: the config file's models with the run-time changes kept in the database.
     runtime.embedded_worker(with_overlay(settings.HYPNOS))
+
+    from django.db import DatabaseError
+
+    from inference.jobs.tasks import resume_unfinished_batches
+
+    # The batches the last run of this server left unfinished (the distributed deployment's
+    # Celery delivers an unfinished task again by itself).
+    try:
+        resume_unfinished_batches()
+    except DatabaseError as exc:  # no database yet: nothing to resume
+        logging.getLogger("hypnos.batches").warning("unfinished batches not resumed: %s", exc)
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 

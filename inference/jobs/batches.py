@@ -8,10 +8,13 @@ batch's key (as it stands when the job starts) on its ASGI scope; no client can 
 (a scope is made by the server from the connection), and this handler is never the one that
 serves the socket.
 
-Lines run grouped by model, so each model is promoted once, and one at a time, so a batch holds
-one slot of one model while interactive requests take the others. Before each line the job
-reads the batch's cancel flag. Each result is written (logs.batches.append_result) before the
-next line starts; a job started again skips the written ones.
+Lines run grouped by model, so each model is promoted once, one at a time, each with
+`x-hypnos-priority: background`: a line takes a slot only while no interactive request waits for
+one. A line answered "not now" (503 while a restarted server stages its models, 429 for a full
+queue or the key's rate) is sent again after a pause; other answers are its result. Before
+each line the job reads the batch's cancel flag. Each result is written
+(logs.batches.append_result) before the next line starts; a job started again skips the written
+ones.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import closing
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +32,7 @@ from django.core.handlers.asgi import ASGIHandler, ASGIRequest
 from django.db.models import F, Q
 from django.utils import timezone
 
+from hypnos_site.handler import PooledASGIHandler
 from inference.transport.client import InferenceClient
 from inference.transport.runtime import runtime
 from logs import batches, files
@@ -38,6 +43,11 @@ log = logging.getLogger(__name__)
 KEY_CHECK = "hypnos.key_check"
 # How long a job's hold on its batch lasts unless renewed (every third of it while it runs).
 LEASE_SECS = 60.0
+# A line answered "not now" (503: no worker ready yet, a restart's staging; 429 but for the
+# daily token quota: a full queue, the key's rate) is sent again, after the answer's
+# Retry-After or a doubling pause, for up to this long; then its last answer is its result.
+RETRY_FOR_SECS = 600.0
+RETRY_PAUSE_MAX_SECS = 30.0
 
 
 class BatchHeld(Exception):
@@ -57,12 +67,45 @@ class _LineRequest(ASGIRequest):
         self.hypnos_key_check = scope[KEY_CHECK]
 
 
-class _LineHandler(ASGIHandler):
+class _LineHandler(PooledASGIHandler):
+    """The server's own handler and middleware chain, its requests authenticated by the scope."""
+
     request_class = _LineRequest
 
 
-async def call(handler: ASGIHandler, path: str, body: bytes, check: KeyCheck) -> tuple[int, str, Any]:
-    """POST `body` to `path` through `handler`: the answer's status, request id and JSON body."""
+def retry_after(status: int, headers: dict[str, str], answer: Any) -> float | None:
+    """How long to wait before sending a line again, or None when its answer is its result."""
+    error = answer.get("error") if isinstance(answer, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    if status != 503 and not (status == 429 and code != "tokens_per_day"):
+        return None
+    try:
+        return min(max(float(headers.get("retry-after", "")), 0.1), RETRY_PAUSE_MAX_SECS)
+    except ValueError:
+        return 0.0  # the caller's own doubling pause
+
+
+async def send_line(
+    handler: ASGIHandler, path: str, body: bytes, check: KeyCheck, cancelled: Callable[[], Awaitable[bool]]
+) -> tuple[int, str, Any] | None:
+    """One line's answer: sent again while it is a "not now" (retry_after), for RETRY_FOR_SECS
+    at most; None when the batch is cancelled meanwhile (the line is not done)."""
+    deadline = asyncio.get_running_loop().time() + RETRY_FOR_SECS
+    pause = 0.5
+    while True:
+        status, request_id, headers, answer = await call(handler, path, body, check)
+        wait = retry_after(status, headers, answer)
+        if wait is None or asyncio.get_running_loop().time() + (wait or pause) > deadline:
+            return status, request_id, answer
+        await asyncio.sleep(wait or pause)
+        pause = min(pause * 2, RETRY_PAUSE_MAX_SECS)
+        if await cancelled():
+            return None
+
+
+async def call(handler: ASGIHandler, path: str, body: bytes, check: KeyCheck) -> tuple[int, str, dict[str, str], Any]:
+    """POST `body` to `path` through `handler`: the answer's status, request id, headers and
+    JSON body."""
     scope = {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -104,13 +147,13 @@ async def call(handler: ASGIHandler, path: str, body: bytes, check: KeyCheck) ->
             chunks.append(message.get("body", b""))
 
     await handler(scope, receive, send)
-    request_id = next((v.decode() for k, v in headers if k.lower() == b"x-request-id"), "")
+    named = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in headers}
     raw = b"".join(chunks)
     try:
         answer: Any = json.loads(raw)
     except ValueError:
         answer = {"error": {"message": raw.decode(errors="replace")[:1000], "type": "server_error"}}
-    return status, request_id, answer
+    return status, named.get("x-request-id", ""), named, answer
 
 
 async def run_job(batch_id: str, client: InferenceClient, channels: Any) -> dict[str, Any] | None:
@@ -158,22 +201,30 @@ async def _run(batch: Batch, client: InferenceClient) -> dict[str, Any]:
     handler = _LineHandler()
     cancelled = False
     model = ""
-    with runtime.using(client):
+
+    async def cancel_requested() -> bool:
+        return await Batch.objects.filter(id=batch.id, cancel_requested=True).aexists()
+
+    with runtime.using(client), closing(handler):
         for line in batches.iter_pending(lines, set(written)):
-            if await Batch.objects.filter(id=batch.id, cancel_requested=True).aexists():
+            if await cancel_requested():
                 cancelled = True
                 break
             if line.model != model:
                 model = line.model
                 await Batch.objects.filter(id=batch.id).aupdate(current_model=model)
             body = await sync_to_async(batches.request_body)(batch, line)
-            status, request_id, answer = await call(handler, batch.endpoint, body, check)
+            answered = await send_line(handler, batch.endpoint, body, check, cancel_requested)
+            if answered is None:
+                cancelled = True
+                break
+            status, request_id, answer = answered
             succeeded = 200 <= status < 300
             output = batches.output_line(line.custom_id, status, request_id, answer)
             await asyncio.to_thread(batches.append_result, batch.id, line.index, succeeded, output)
             counter = "completed" if succeeded else "failed"
             await Batch.objects.filter(id=batch.id).aupdate(**{counter: F(counter) + 1})
-    cancelled = cancelled or await Batch.objects.filter(id=batch.id, cancel_requested=True).aexists()
+    cancelled = cancelled or await cancel_requested()
     await Batch.objects.filter(id=batch.id).aupdate(status="finalizing", finalizing_at=timezone.now(), current_model="")
     batch = await Batch.objects.aget(id=batch.id)
     output_id, error_id = await sync_to_async(batches.write_outputs)(batch, lines)

@@ -170,17 +170,22 @@ class JobReporter:
 # cancel_requested, error, started_at and finished_at are what these helpers touch.
 
 
+def start_eager(task: Any, job_id: str) -> None:
+    """Run the job on a thread of this process (the embedded deployment's Celery)."""
+    thread = threading.Thread(
+        target=task.apply,
+        kwargs={"args": (job_id,), "task_id": job_id},
+        name=f"hypnos-{job_id}",
+        daemon=True,
+    )
+    thread.start()
+
+
 async def dispatch(task: Any, job_id: str) -> None:
     """Hand the job to Celery: to the broker (distributed), or eagerly on a thread of this
     process (embedded: no broker)."""
     if settings.CELERY_TASK_ALWAYS_EAGER:
-        thread = threading.Thread(
-            target=task.apply,
-            kwargs={"args": (job_id,), "task_id": job_id},
-            name=f"hypnos-{job_id}",
-            daemon=True,
-        )
-        thread.start()
+        start_eager(task, job_id)
         return
     try:
         await asyncio.to_thread(task.apply_async, args=(job_id,), task_id=job_id)

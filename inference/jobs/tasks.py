@@ -5,12 +5,14 @@ their own."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from celery import shared_task
 from django.conf import settings
 
+log = logging.getLogger(__name__)
 JobRunner = Callable[[str, Any, Any], Awaitable[dict[str, Any] | None]]
 
 
@@ -72,3 +74,19 @@ async def _run(run_job: JobRunner, job_id: str) -> dict[str, Any] | None:
         return await run_job(job_id, client, layer)
     finally:
         await layer.close_pools()
+
+
+def resume_unfinished_batches() -> list[str]:
+    """The embedded deployment at start-up: the batches a stopped server left unfinished run
+    again on this process's job threads, each skipping the lines whose results are written (no
+    other process runs them, so the dead server's holds are let go first). Their ids."""
+    from inference.jobs.feed import start_eager
+    from logs.models import Batch
+
+    unfinished = Batch.objects.filter(status__in=("in_progress", "cancelling", "finalizing"))
+    ids = list(unfinished.values_list("id", flat=True))
+    Batch.objects.filter(id__in=ids).update(lease_until=None)
+    for batch_id in ids:
+        log.info("resuming batch %s after a restart", batch_id)
+        start_eager(run_batch, batch_id)
+    return ids

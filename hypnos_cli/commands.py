@@ -104,6 +104,34 @@ def do_ps(server: Server, args: argparse.Namespace) -> int:
     return 0
 
 
+def do_batches(server: Server, args: argparse.Namespace) -> int:
+    """GET /v1/batches: the key's batches (an admin key's: everyone's), newest first, with the
+    lines done and the model a running batch holds."""
+    listed = server.get("/v1/batches", params={"limit": args.limit})
+    if args.json:
+        return dump(listed)
+    if not listed["data"]:
+        print("no batch")
+        return 0
+    now = time.time()
+    rows = []
+    for batch in listed["data"]:
+        counts = batch["request_counts"]
+        rows.append(
+            [
+                batch["id"],
+                batch["status"],
+                batch["endpoint"],
+                f"{counts['completed'] + counts['failed']}/{counts['total']}",
+                str(counts["failed"]),
+                batch.get("hypnos_current_model") or "-",
+                duration(now - batch["created_at"]) + " ago",
+            ]
+        )
+    print(table(["BATCH", "STATUS", "ENDPOINT", "DONE", "FAILED", "MODEL", "CREATED"], rows))
+    return 0
+
+
 def do_status(server: Server, args: argparse.Namespace) -> int:
     """GET /health, /ready and the memory summary; status 1 while the server is not ready."""
     health = server.get("/health")

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from hypnos_cli.chat import do_run
 from hypnos_cli.client import DEFAULT_URL, CliError, Server, cli_version
 from hypnos_cli.commands import (
+    do_batches,
     do_keys_create,
     do_keys_list,
     do_keys_revoke,
@@ -105,6 +106,8 @@ def _server_verbs(verbs: Verbs) -> None:
     logs.add_argument("--status", help="ok, error, 4xx, 5xx")
     logs.add_argument("--interval", type=float, default=1.0, help="seconds between polls with -f (default 1)")
     verbs.add("status", "health, readiness and the memory summary; status 1 while not ready", do_status)
+    batches = verbs.add("batches", "the Batch API's batches, newest first: status, lines done, model", do_batches)
+    batches.add_argument("-n", "--limit", type=int, default=20, help="how many (default 20, at most 100)")
 
 
 def _keys_usage(server: Server, args: argparse.Namespace) -> int:

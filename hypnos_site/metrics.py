@@ -443,6 +443,42 @@ def _per_worker(status: dict[str, Any]) -> list[Metric]:
     return [info, vram, ram, tier]
 
 
+def batch_families() -> list[Metric]:
+    """The Batch API's lines and batches, from the batches' rows (every process's jobs write
+    them): lines ended by outcome, lines still to run, batches by status. Reads the database:
+    call it from a sync context."""
+    from django.db.models import Count, F, Sum
+
+    from logs.models import Batch
+
+    ended = Batch.objects.aggregate(completed=Sum("completed"), failed=Sum("failed"))
+    pending = Batch.objects.filter(status__in=("in_progress", "cancelling")).aggregate(
+        lines=Sum(F("total") - F("completed") - F("failed"))
+    )
+    lines = CounterMetricFamily(
+        "hypnos_batch_lines", "Batch lines ended, by outcome (2xx: completed).", labels=["status"]
+    )
+    for status in ("completed", "failed"):
+        lines.add_metric([status], float(ended[status] or 0))
+    queue = GaugeMetricFamily("hypnos_batch_queue_lines", "Lines of running batches not yet run.")
+    queue.add_metric([], float(pending["lines"] or 0))
+    batches = GaugeMetricFamily("hypnos_batches", "Batches by status.", labels=["status"])
+    for row in Batch.objects.values("status").annotate(n=Count("id")).order_by("status"):
+        batches.add_metric([row["status"]], float(row["n"]))
+    return [lines, queue, batches]
+
+
+async def batch_status() -> list[Metric]:
+    from asgiref.sync import sync_to_async
+    from django.db import DatabaseError
+
+    try:
+        return await sync_to_async(batch_families)()
+    except DatabaseError as exc:
+        log.warning("metrics: the batches are unavailable: %s", exc)
+        return []
+
+
 def process_families() -> list[Metric]:
     uptime = GaugeMetricFamily("hypnos_uptime_seconds", "Seconds since this web process started.")
     uptime.add_metric([], time.time() - PROCESS_STARTED_AT)
@@ -500,7 +536,12 @@ async def hypnos_families(with_keys: bool = True) -> list[Metric]:
     except Exception as exc:  # noqa: BLE001
         log.warning("metrics: the shared counters are unavailable: %s", exc)
         snapshot, today = {}, {}
-    families = [*web_families(snapshot, today), *worker_families(await worker_status()), *process_families()]
+    families = [
+        *web_families(snapshot, today),
+        *worker_families(await worker_status()),
+        *await batch_status(),
+        *process_families(),
+    ]
     return families if with_keys else [f for f in families if f.name not in KEY_FAMILIES]
 
 

@@ -135,6 +135,10 @@ async def test_a_chat_batch_answers_every_line_once_in_input_order(api):
     assert error["response"]["body"]["error"]["code"] == "model_not_found"
     # The results file of the run is gone; its lines went into the two files.
     assert not batches.results_path(batch["id"]).exists()
+    page = (await api.get("/metrics")).content.decode()
+    assert 'hypnos_batch_lines_total{status="completed"} 4.0' in page
+    assert 'hypnos_batch_lines_total{status="failed"} 1.0' in page
+    assert 'hypnos_batches{status="completed"} 1.0' in page and "hypnos_batch_queue_lines 0.0" in page
 
 
 async def test_an_embeddings_batch_gives_the_vectors_of_single_calls(api):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import httpx
 
@@ -85,3 +86,33 @@ def test_load_waits_for_a_move_the_server_answered_202_until_the_model_is_there(
     assert commands.do_load(server, args) == 0
     assert calls == ["POST /v1/memory/tier"] + ["GET /v1/memory/status"] * 3
     assert "m is in tier 1 vram (1.0 MiB of weights in VRAM, context 2048)" in capsys.readouterr().out
+
+
+def test_batches_lists_each_batchs_progress_and_model(capsys):
+    from hypnos_cli import commands
+    from hypnos_cli.client import Server
+
+    created = int(time.time()) - 90
+    running = {
+        "id": "batch_1",
+        "status": "in_progress",
+        "endpoint": "/v1/chat/completions",
+        "request_counts": {"total": 200, "completed": 57, "failed": 3},
+        "hypnos_current_model": "smollm2-135m",
+        "created_at": created,
+    }
+    done = {**running, "id": "batch_0", "status": "completed", "hypnos_current_model": None}
+    seen: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(str(request.url))
+        return httpx.Response(200, json={"object": "list", "data": [running, done], "has_more": False})
+
+    server = Server("http://h:1", None)
+    server.http = httpx.Client(base_url="http://h:1", transport=httpx.MockTransport(answer))
+    assert commands.do_batches(server, build_parser().parse_args(["batches", "-n", "5"])) == 0
+    assert seen == ["http://h:1/v1/batches?limit=5"]
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["BATCH", "STATUS", "ENDPOINT", "DONE", "FAILED", "MODEL", "CREATED"]
+    assert out[1].split()[:6] == ["batch_1", "in_progress", "/v1/chat/completions", "60/200", "3", "smollm2-135m"]
+    assert out[2].split()[5] == "-" and out[1].endswith("ago")

@@ -537,6 +537,9 @@ class Worker:
             if not self._take_slot(runtime, cancel, background):
                 return
             holding_slot = True
+            if background:
+                with self._lock:
+                    runtime.background_running += 1
             with self.moves.placement_lock:
                 engine = self.moves.engine(runtime)
                 self.tiers.lease(runtime.config.id)
@@ -564,6 +567,9 @@ class Worker:
             if lease is not None:
                 lease.release()
             if holding_slot:
+                if background:
+                    with self._lock:
+                        runtime.background_running -= 1
                 runtime.slots.release()
             with self._lock:
                 runtime.admitted -= 1

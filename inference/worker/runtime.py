@@ -38,6 +38,9 @@ class ModelRuntime:
     # Interactive requests waiting for a slot now: a background one (a batch's line) waits while
     # there is any.
     interactive_waiting: int = 0
+    # Background requests (a batch's lines) holding a slot now: /v1/memory/status says so, so
+    # an operator sees which model a batch holds.
+    background_running: int = 0
     loads: int = 0
     load_failures: int = 0
     problem: str | None = None

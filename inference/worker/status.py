@@ -146,6 +146,9 @@ class StatusReports:
                 "load_failures": runtime.load_failures,
                 "service_ms": round(runtime.service_ms, 1) if runtime.service_ms is not None else None,
                 "estimated_wait_ms": self.estimated_wait_ms(runtime),
+                # Of the requests holding a slot, those of batches (x-hypnos-priority: background):
+                # the model a batch holds, and that it yields the next slot to interactive traffic.
+                "background_requests": runtime.background_running,
             }
             if model_id in self.tiers:
                 row.update(self.tiers.model_status(model_id))

@@ -9,7 +9,7 @@ import pytest
 from inference.transport.deadline import within
 from inference.worker import Worker
 from tests.conftest import PARIS_MESSAGES
-from tests.integration.conftest import post_json, wait_until, with_limits
+from tests.integration.conftest import post_json, read_in_background, wait_until, with_limits
 
 pytestmark = pytest.mark.django_db(transaction=True)
 URL = "/v1/chat/completions"
@@ -147,6 +147,7 @@ async def test_a_background_request_takes_a_slot_only_while_no_interactive_one_w
     try:
         background = asyncio.create_task(call("background", **{"x-hypnos-priority": "background"}))
         assert await wait_until(lambda: runtime.admitted == 1, 30)
+        assert runtime.background_running == 0  # waiting, not holding a slot
         interactive = asyncio.create_task(call("interactive"))
         assert await wait_until(lambda: runtime.interactive_waiting == 1, 30)
         runtime.slots.release()  # one slot: the interactive request's, though it came second
@@ -156,9 +157,25 @@ async def test_a_background_request_takes_a_slot_only_while_no_interactive_one_w
         for _ in range(held):
             runtime.slots.release()
     assert finished == ["interactive", "background"]
+    status = (await api.get("/v1/memory/status")).json()
+    assert next(m for m in status["models"] if m["id"] == embed)["background_requests"] == 0
 
 
 async def test_an_unknown_priority_is_a_400(api):
     body = {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 2}
     response = await post_json(api, URL, body, **{"x-hypnos-priority": "urgent"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "x-hypnos-priority"
+
+
+async def test_the_memory_status_shows_the_background_requests_holding_a_slot(api, worker):
+    body = {"model": SMOL, "messages": LONG_STORY, "max_tokens": 400, "stream": True}
+    response = await post_json(api, URL, body, **{"x-hypnos-priority": "background"})
+    assert response.status_code == 200
+    task, chunks = read_in_background(response)
+    try:
+        assert await wait_until(lambda: len(chunks) > 2, 60)
+        status = (await api.get("/v1/memory/status")).json()
+        assert next(m for m in status["models"] if m["id"] == SMOL)["background_requests"] == 1
+    finally:
+        task.cancel()
+    assert await wait_until(lambda: worker.models[SMOL].background_running == 0, 30)

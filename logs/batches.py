@@ -28,6 +28,7 @@ from django.utils import timezone
 
 from hypnos_site.errors import InvalidRequest, NotFound
 from logs import files
+from logs.listing import owned_by, page
 from logs.models import Batch, StoredFile
 from models_registry.authentication import ApiPrincipal
 
@@ -189,10 +190,7 @@ def request_body(batch: Batch, line: Line) -> bytes:
 
 
 def visible_batches(principal: ApiPrincipal | None) -> QuerySet[Batch]:
-    batches = Batch.objects.all()
-    if principal is None or principal.admin:
-        return batches
-    return batches.filter(owner_label=principal.label)
+    return owned_by(Batch.objects.all(), principal)
 
 
 def find_batch(batch_id: str, principal: ApiPrincipal | None) -> Batch:
@@ -206,21 +204,8 @@ def list_batches(principal: ApiPrincipal | None, *, limit: int, after: str | Non
     """GET /v1/batches: newest first; `after` is the last id of the previous page."""
     if not 1 <= limit <= 100:
         raise InvalidRequest("limit must be between 1 and 100.", param="limit")
-    batches = visible_batches(principal).order_by("-created_at", "-id")
-    if after:
-        cursor = find_batch(after, principal)
-        batches = batches.filter(created_at__lte=cursor.created_at).exclude(
-            created_at=cursor.created_at, id__gte=cursor.id
-        )
-    page = list(batches[: limit + 1])
-    data = [batch_object(batch) for batch in page[:limit]]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": len(page) > limit,
-    }
+    cursor = find_batch(after, principal) if after else None
+    return page(visible_batches(principal), limit=limit, after=cursor, ascending=False, render=batch_object)
 
 
 def cancel_batch(batch_id: str, principal: ApiPrincipal | None) -> Batch:

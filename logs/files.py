@@ -27,6 +27,7 @@ from django.utils import timezone
 
 from hypnos_site.errors import InvalidRequest, NotFound
 from hypnos_site.json_bodies import too_many_values
+from logs.listing import owned_by, page
 from logs.models import StoredFile
 from models_registry.authentication import ApiPrincipal
 
@@ -185,12 +186,7 @@ def check_batch_lines(path: Path) -> None:
 
 
 def visible_files(principal: ApiPrincipal | None) -> QuerySet[StoredFile]:
-    """The files `principal` may see: all for admin keys and the open API (no key configured),
-    else the key's own."""
-    files = StoredFile.objects.all()
-    if principal is None or principal.admin:
-        return files
-    return files.filter(owner_label=principal.label)
+    return owned_by(StoredFile.objects.all(), principal)
 
 
 def find_file(file_id: str, principal: ApiPrincipal | None) -> StoredFile:
@@ -212,26 +208,8 @@ def list_files(
     files = visible_files(principal)
     if purpose:
         files = files.filter(purpose=purpose)
-    ordered = files.order_by("created_at", "id") if order == "asc" else files.order_by("-created_at", "-id")
-    if after:
-        cursor = find_file(after, principal)
-        if order == "asc":
-            ordered = ordered.filter(created_at__gte=cursor.created_at).exclude(
-                created_at=cursor.created_at, id__lte=cursor.id
-            )
-        else:
-            ordered = ordered.filter(created_at__lte=cursor.created_at).exclude(
-                created_at=cursor.created_at, id__gte=cursor.id
-            )
-    page = list(ordered[: limit + 1])
-    data = [file_object(row) for row in page[:limit]]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": len(page) > limit,
-    }
+    cursor = find_file(after, principal) if after else None
+    return page(files, limit=limit, after=cursor, ascending=order == "asc", render=file_object)
 
 
 def content_path(row: StoredFile) -> Path:

@@ -29,7 +29,7 @@ if settings.HYPNOS.server.deployment == "embedded":
     # The batches the last run of this server left unfinished (the distributed deployment's
     # Celery delivers an unfinished task again by itself).
     try:
-        resume_unfinished_batches()
+        resume_unfinished_batches(eager=True)
     except DatabaseError as exc:  # no database yet: nothing to resume
         logging.getLogger("hypnos.batches").warning("unfinished batches not resumed: %s", exc)
 

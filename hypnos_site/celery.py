@@ -8,9 +8,11 @@ the inference worker through the process's InferenceClient, like a view."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 from celery import Celery
+from celery.signals import worker_ready
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hypnos_site.settings")
 
@@ -19,3 +21,16 @@ app = Celery("hypnos_site")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 # The tasks live in inference/jobs/tasks.py (the Celery worker's package), not an app's tasks.py.
 app.autodiscover_tasks(["inference.jobs"])
+
+
+@worker_ready.connect
+def _resume_unfinished_batches(sender: object, **kwargs: object) -> None:
+    """A Celery worker that starts takes up the batches a dead one left (inference/jobs/tasks.py)."""
+    from django.db import DatabaseError
+
+    from inference.jobs.tasks import resume_unfinished_batches
+
+    try:
+        resume_unfinished_batches(eager=False)
+    except DatabaseError as exc:
+        logging.getLogger("hypnos.batches").warning("unfinished batches not resumed: %s", exc)

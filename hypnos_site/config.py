@@ -142,6 +142,9 @@ class ServerConfig(_Strict):
     # the most bytes one key's files may take together (a key past it deletes files first).
     files_max_bytes: int = Field(default=200 * MIB, ge=1)
     files_max_bytes_per_key: int = Field(default=2 << 30, ge=1)
+    # How long a batch job's hold on its batch lasts unless renewed (every third of it while the
+    # job runs): after a job's process dies, another takes the batch up this much later.
+    batch_lease_secs: float = Field(default=60.0, gt=0)
 
     @field_validator("request_log_redact")
     @classmethod

@@ -28,6 +28,7 @@ from datetime import timedelta
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.core.handlers.asgi import ASGIHandler, ASGIRequest
 from django.db.models import F, Q
 from django.utils import timezone
@@ -41,13 +42,15 @@ from models_registry.authentication import KeyCheck, check_for_label
 
 log = logging.getLogger(__name__)
 KEY_CHECK = "hypnos.key_check"
-# How long a job's hold on its batch lasts unless renewed (every third of it while it runs).
-LEASE_SECS = 60.0
 # A line answered "not now" (503: no worker ready yet, a restart's staging; 429 but for the
 # daily token quota: a full queue, the key's rate) is sent again, after the answer's
 # Retry-After or a doubling pause, for up to this long; then its last answer is its result.
 RETRY_FOR_SECS = 600.0
 RETRY_PAUSE_MAX_SECS = 30.0
+
+
+def lease_secs() -> float:
+    return float(settings.HYPNOS.server.batch_lease_secs)
 
 
 class BatchHeld(Exception):
@@ -164,7 +167,7 @@ async def run_job(batch_id: str, client: InferenceClient, channels: Any) -> dict
         return None
     now = timezone.now()
     free = Q(lease_until__isnull=True) | Q(lease_until__lt=now)
-    if not await Batch.objects.filter(free, id=batch_id).aupdate(lease_until=now + timedelta(seconds=LEASE_SECS)):
+    if not await Batch.objects.filter(free, id=batch_id).aupdate(lease_until=now + timedelta(seconds=lease_secs())):
         held = await Batch.objects.aget(id=batch_id)
         raise BatchHeld(max((held.lease_until - now).total_seconds(), 1.0) if held.lease_until else 1.0)
     keeper = asyncio.create_task(_keep_lease(batch_id))
@@ -186,8 +189,8 @@ async def run_job(batch_id: str, client: InferenceClient, channels: Any) -> dict
 
 async def _keep_lease(batch_id: str) -> None:
     while True:
-        await asyncio.sleep(LEASE_SECS / 3)
-        await Batch.objects.filter(id=batch_id).aupdate(lease_until=timezone.now() + timedelta(seconds=LEASE_SECS))
+        await asyncio.sleep(lease_secs() / 3)
+        await Batch.objects.filter(id=batch_id).aupdate(lease_until=timezone.now() + timedelta(seconds=lease_secs()))
 
 
 async def _run(batch: Batch, client: InferenceClient) -> dict[str, Any]:

@@ -76,17 +76,23 @@ async def _run(run_job: JobRunner, job_id: str) -> dict[str, Any] | None:
         await layer.close_pools()
 
 
-def resume_unfinished_batches() -> list[str]:
-    """The embedded deployment at start-up: the batches a stopped server left unfinished run
-    again on this process's job threads, each skipping the lines whose results are written (no
-    other process runs them, so the dead server's holds are let go first). Their ids."""
+def resume_unfinished_batches(eager: bool) -> list[str]:
+    """At start-up, the batches left unfinished run again, each skipping the lines whose results
+    are written; their ids. Embedded (`eager`): on this process's job threads, the dead server's
+    holds let go first (no other process runs them). A Celery worker: sent to the queue again
+    (Redis gives a dead worker's unacknowledged task back only after its visibility timeout);
+    one another live worker still runs waits for its hold (BatchHeld) and then finds it done."""
     from inference.jobs.feed import start_eager
     from logs.models import Batch
 
     unfinished = Batch.objects.filter(status__in=("in_progress", "cancelling", "finalizing"))
     ids = list(unfinished.values_list("id", flat=True))
-    Batch.objects.filter(id__in=ids).update(lease_until=None)
+    if eager:
+        Batch.objects.filter(id__in=ids).update(lease_until=None)
     for batch_id in ids:
         log.info("resuming batch %s after a restart", batch_id)
-        start_eager(run_batch, batch_id)
+        if eager:
+            start_eager(run_batch, batch_id)
+        else:
+            run_batch.apply_async(args=(batch_id,), task_id=batch_id)
     return ids

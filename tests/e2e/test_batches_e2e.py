@@ -1,5 +1,6 @@
-"""A batch outlives its server: an embedded server killed (SIGKILL) in the middle of a batch and
-started again finishes it, every custom_id answered exactly once, in input order."""
+"""A batch outlives the process that runs it: an embedded server, or a distributed deployment's
+Celery worker, killed (SIGKILL) in the middle of a batch, and the next one finishes it, every
+custom_id answered exactly once, in input order."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.e2e.conftest import embedded_server, start, wait_ready
+from tests.e2e.conftest import Server, embedded_server, start, start_celery, wait_ready
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2-135m"
@@ -23,8 +24,8 @@ def sdk(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def test_a_batch_whose_server_is_killed_finishes_after_the_restart_with_no_line_lost_or_doubled(tmp_path: Path):
-    lines = [
+def requests() -> list[dict[str, object]]:
+    return [
         {
             "custom_id": f"line-{i}",
             "method": "POST",
@@ -38,8 +39,24 @@ def test_a_batch_whose_server_is_killed_finishes_after_the_restart_with_no_line_
         }
         for i in range(LINES)
     ]
+
+
+def assert_finished_once(client: openai.OpenAI, batch_id: str) -> None:
+    """The batch ends completed with every line answered once, in input order."""
+    deadline = time.monotonic() + WAIT_SECS
+    while (batch := client.batches.retrieve(batch_id)).status not in ("completed", "failed", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.25)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (LINES, 0)
+    output = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [line["custom_id"] for line in output] == [f"line-{i}" for i in range(LINES)]
+    assert len({line["response"]["request_id"] for line in output}) == LINES
+
+
+def test_a_batch_whose_server_is_killed_finishes_after_the_restart_with_no_line_lost_or_doubled(tmp_path: Path):
     source = tmp_path / "batch.jsonl"
-    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    source.write_text("".join(json.dumps(line) + "\n" for line in requests()))
     with embedded_server("batch-restart", tmp_path) as server:
         client = sdk(server.base_url)
         batch = client.batches.create(
@@ -54,18 +71,46 @@ def test_a_batch_whose_server_is_killed_finishes_after_the_restart_with_no_line_
         [web] = server.procs
         web.popen.send_signal(signal.SIGKILL)
         web.popen.wait(30)
-        assert client is not None and web.popen.returncode == -signal.SIGKILL
+        assert web.popen.returncode == -signal.SIGKILL
         again = start("daphne-batch-restart-2", ["-m", "hypnos_site.serve"], server.env, tmp_path)
         try:
             wait_ready(server.base_url, again)
-            while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "cancelled"):
-                assert time.monotonic() < deadline + WAIT_SECS, batch
-                time.sleep(0.25)
-            assert batch.status == "completed", batch
-            assert (batch.request_counts.completed, batch.request_counts.failed) == (LINES, 0)
-            output = [json.loads(line) for line in client.files.content(batch.output_file_id).text.splitlines()]
-            assert [line["custom_id"] for line in output] == [f"line-{i}" for i in range(LINES)]
-            assert len({line["response"]["request_id"] for line in output}) == LINES
+            assert_finished_once(client, batch.id)
             assert "resuming batch" in again.log.read_text()
         finally:
             again.stop()
+
+
+def test_a_batch_whose_celery_worker_is_killed_is_finished_by_the_next_one(distributed: Server):
+    """Distributed: the Celery worker running a batch is SIGKILLed after 3 of 24 lines; the next
+    Celery worker takes the batch up at its start once the dead one's hold lapses (a 3 s lease
+    here) and finishes it, every custom_id once, in order. Both workers run on a config with
+    that short lease; the replacement stays for the tests after this one."""
+    config = Path(distributed.env["HYPNOS_CONFIG"])
+    short = config.with_name("hypnos-short-lease.toml")
+    short.write_text(config.read_text().replace("[server]\n", "[server]\nbatch_lease_secs = 3\n", 1))
+    env = {**distributed.env, "HYPNOS_CONFIG": str(short)}
+    current = next(p for p in distributed.procs if p.name.startswith("celery"))
+    current.stop()
+    distributed.procs.remove(current)
+    doomed = start_celery(env, current.log.parent, name="celery-batch-doomed")
+    client = sdk(distributed.base_url)
+    try:
+        source = current.log.parent / "killed-celery-batch.jsonl"
+        source.write_text("".join(json.dumps(line) + "\n" for line in requests()))
+        batch = client.batches.create(
+            input_file_id=client.files.create(file=source.open("rb"), purpose="batch").id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
+        deadline = time.monotonic() + WAIT_SECS
+        while client.batches.retrieve(batch.id).request_counts.completed < 3:
+            assert time.monotonic() < deadline, doomed.tail()
+            time.sleep(0.05)
+        doomed.popen.send_signal(signal.SIGKILL)
+        doomed.popen.wait(30)
+    finally:
+        doomed.stop()
+        distributed.procs.append(start_celery(env, current.log.parent, name="celery-batch-2"))
+    assert_finished_once(client, batch.id)
+    assert "resuming batch" in distributed.procs[-1].log.read_text()

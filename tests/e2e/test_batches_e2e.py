@@ -83,9 +83,9 @@ def test_a_batch_whose_server_is_killed_finishes_after_the_restart_with_no_line_
 
 def test_a_batch_whose_celery_worker_is_killed_is_finished_by_the_next_one(distributed: Server):
     """Distributed: the Celery worker running a batch is SIGKILLed after 3 of 24 lines; the next
-    Celery worker takes the batch up at its start once the dead one's hold lapses (a 3 s lease
-    here) and finishes it, every custom_id once, in order. Both workers run on a config with
-    that short lease; the replacement stays for the tests after this one."""
+    Celery worker takes the batch up at its start once the dead one's hold lapses (the killed
+    one ran on a config with a 3 s lease) and finishes it, every custom_id once, in order. The
+    next worker is the fixture's own again, as the tests after this one expect it."""
     config = Path(distributed.env["HYPNOS_CONFIG"])
     short = config.with_name("hypnos-short-lease.toml")
     short.write_text(config.read_text().replace("[server]\n", "[server]\nbatch_lease_secs = 3\n", 1))
@@ -111,6 +111,7 @@ def test_a_batch_whose_celery_worker_is_killed_is_finished_by_the_next_one(distr
         doomed.popen.wait(30)
     finally:
         doomed.stop()
-        distributed.procs.append(start_celery(env, current.log.parent, name="celery-batch-2"))
+        # The fixture's own worker again (its name and config): the tests after this one see it.
+        distributed.procs.append(start_celery(distributed.env, current.log.parent))
     assert_finished_once(client, batch.id)
     assert "resuming batch" in distributed.procs[-1].log.read_text()

@@ -29,7 +29,7 @@ from django.utils import timezone
 from hypnos_site.errors import InvalidRequest, NotFound
 from logs import files
 from logs.listing import owned_by, page
-from logs.models import Batch, StoredFile
+from logs.models import Batch
 from models_registry.authentication import ApiPrincipal
 
 BATCH_ID_PATTERN = r"batch_[0-9a-f]{32}"
@@ -177,10 +177,10 @@ def _check_line(raw: bytes, endpoint: str, seen: set[str]) -> tuple[str | None, 
     return None, line
 
 
-def request_body(batch: Batch, line: Line) -> bytes:
-    """The `body` of one line, read from the input file again (the job keeps only offsets)."""
-    source = StoredFile.objects.get(id=batch.input_file_id)
-    with files.content_path(source).open("rb") as handle:
+def request_body(path: Path, line: Line) -> bytes:
+    """The `body` of one line, read from the input file at `path` again (the job keeps only
+    offsets)."""
+    with path.open("rb") as handle:
         handle.seek(line.offset)
         raw = handle.read(line.length)
     return json.dumps(json.loads(raw)["body"]).encode()

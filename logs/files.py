@@ -83,7 +83,7 @@ def store_upload(
         raise InvalidRequest(
             f"The file is {size} bytes, above server.files_max_bytes ({config.files_max_bytes}).", param="file"
         )
-    used = visible_files(None).filter(owner_label=owner).aggregate(used=Sum("bytes"))["used"] or 0
+    used = StoredFile.objects.filter(owner_label=owner).aggregate(used=Sum("bytes"))["used"] or 0
     if used + size > config.files_max_bytes_per_key:
         raise InvalidRequest(
             f"The key's files take {used} bytes; this one's {size} more would pass "

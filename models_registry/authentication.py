@@ -141,8 +141,11 @@ def principal_for(key: str) -> ApiPrincipal | None:
     if match:
         return match
     record = ApiKey.objects.filter(key_hash=hash_key(key), active=True).first()
-    if record is None:
-        return None
+    return _record_principal(record) if record is not None else None
+
+
+def _record_principal(record: ApiKey) -> ApiPrincipal:
+    """A database key's principal: its label, rights and limits."""
     return ApiPrincipal(
         label=record.label,
         admin=record.admin,
@@ -210,17 +213,7 @@ def check_for_label(label: str | None) -> KeyCheck:
     record = ApiKey.objects.filter(label=label, active=True).first()
     if record is None:
         return gone
-    return KeyCheck(
-        required=True,
-        principal=ApiPrincipal(
-            label=record.label,
-            admin=record.admin,
-            requests_per_minute=record.requests_per_minute,
-            max_concurrent=record.max_concurrent,
-            tokens_per_day=record.tokens_per_day,
-            models=split_models(record.allowed_models),
-        ),
-    )
+    return KeyCheck(required=True, principal=_record_principal(record))
 
 
 def authorization_header(request: HttpRequest) -> str:

@@ -216,7 +216,7 @@ async def _run(batch: Batch, client: InferenceClient) -> dict[str, Any]:
             if line.model != model:
                 model = line.model
                 await Batch.objects.filter(id=batch.id).aupdate(current_model=model)
-            body = await sync_to_async(batches.request_body)(batch, line)
+            body = await asyncio.to_thread(batches.request_body, path, line)
             answered = await send_line(handler, batch.endpoint, body, check, cancel_requested)
             if answered is None:
                 cancelled = True

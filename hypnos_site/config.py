@@ -103,6 +103,10 @@ class ServerConfig(_Strict):
     # SIGTERM to a web process or an inference worker: it stops taking requests and lets the
     # running ones finish for up to this long, then exits.
     shutdown_drain_secs: float = Field(default=30.0, ge=0)
+    # After the drain, how long the process's own shutdown (cancelled requests ending at their next
+    # token, KV parking written, warm copies freed) may take before it exits whatever still runs
+    # (an engine inside a native call that never looks at its cancel flag): hypnos_site/hard_stop.py.
+    shutdown_grace_secs: float = Field(default=15.0, gt=0)
     # How long a long job (a document conversion) may wait for a Celery worker to take it before
     # the request is a 503 (distributed; the job is revoked), and how many jobs one Celery
     # worker process runs at once (`./run.sh jobs`).

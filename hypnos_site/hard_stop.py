@@ -5,8 +5,8 @@ A SIGTERM drains (hypnos_site/serve.py, `manage.py runinference`): the requests 
 threads. A thread inside a native call that never looks at its cancel flag (a stable-diffusion.cpp
 generation, a runaway grammar in llama.cpp, a wedged driver) would hold that join, and the
 interpreter's exit, forever: the process manager's SIGKILL would be the only way out. So the
-drain arms a timer that ends the process with os._exit once the drain and SHUTDOWN_GRACE_SECS
-have passed, whatever runs; the log names the threads it cut.
+drain arms a timer that ends the process with os._exit once the drain and
+`server.shutdown_grace_secs` have passed, whatever runs; the log names the threads it cut.
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ import threading
 
 log = logging.getLogger("hypnos.shutdown")
 
-# After the drain: the worker's own shutdown (cancelled requests end at their next token, the KV
-# parking written to disk, the warm copies freed) takes seconds; this bounds it.
-SHUTDOWN_GRACE_SECS = 15.0
 # The exit status of a cut shutdown: not 0, since the process did not stop cleanly.
 CUT_EXIT_CODE = 1
 

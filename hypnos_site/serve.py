@@ -22,7 +22,7 @@ from twisted.internet import reactor
 
 from hypnos_site import edge
 from hypnos_site.config import ConfigError, get_config
-from hypnos_site.hard_stop import SHUTDOWN_GRACE_SECS, exit_after
+from hypnos_site.hard_stop import exit_after
 
 log = logging.getLogger("hypnos.serve")
 DRAIN_POLL_SECS = 0.1
@@ -31,9 +31,10 @@ DRAIN_POLL_SECS = 0.1
 class DrainingServer(Server):
     """daphne's server with SIGTERM draining."""
 
-    def __init__(self, *args: Any, drain_secs: float = 30.0, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, drain_secs: float = 30.0, grace_secs: float = 15.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.drain_secs = drain_secs
+        self.grace_secs = grace_secs
         self.ports: list[Any] = []
         self.draining_since: float | None = None
 
@@ -66,7 +67,7 @@ class DrainingServer(Server):
         self.draining_since = time.monotonic()
         # The in-process worker's engine threads are joined at exit: one in a native call that
         # never returns must not keep the process past the drain (hypnos_site/hard_stop.py).
-        exit_after(self.drain_secs + SHUTDOWN_GRACE_SECS)
+        exit_after(self.drain_secs + self.grace_secs)
         for port in self.ports:
             port.stopListening()
         log.warning(
@@ -103,7 +104,7 @@ def main() -> None:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "hypnos_site.settings")
     try:
         args = daphne_args()
-        drain_secs = get_config().server.shutdown_drain_secs
+        server = get_config().server
     except ConfigError as exc:
         sys.exit(f"hypnos: {exc}")
     # Before daphne builds its first request: bodies are capped while they stream in (edge.py).
@@ -111,7 +112,9 @@ def main() -> None:
 
     class Cli(CommandLineInterface):
         def server_class(self, *a: Any, **kw: Any) -> DrainingServer:  # type: ignore[override]
-            return DrainingServer(*a, drain_secs=drain_secs, **kw)
+            return DrainingServer(
+                *a, drain_secs=server.shutdown_drain_secs, grace_secs=server.shutdown_grace_secs, **kw
+            )
 
     # -v 0: no access log of daphne's own; inference.web.common.middleware writes one line per request on
     # `hypnos.access` (plain or JSON, server.log_format).

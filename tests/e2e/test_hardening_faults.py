@@ -30,7 +30,7 @@ import psutil
 import pytest
 from channels_redis.core import RedisChannelLayer
 
-from hypnos_site.hard_stop import CUT_EXIT_CODE, SHUTDOWN_GRACE_SECS
+from hypnos_site.hard_stop import CUT_EXIT_CODE
 from inference.transport.client import ChannelLayerTransport, InferenceClient
 from inference.transport.cluster import ANNOUNCE_SECS, ANNOUNCE_TTL_SECS
 from tests.conftest import PARIS_MESSAGES
@@ -38,6 +38,9 @@ from tests.e2e.conftest import Proc, base_env, free_port, run_manage, start, sta
 
 pytestmark = pytest.mark.e2e
 ACK_TIMEOUT_SECS = 2.0
+# The hang test's worker: a short drain and grace (server.shutdown_*_secs), so its cut comes soon.
+DRAIN_SECS = 1
+GRACE_SECS = 3
 CHAT = "/v1/chat/completions"
 STORY = {
     "model": "smollm2-135m",
@@ -296,12 +299,16 @@ def test_without_a_worker_a_chat_is_a_503_within_the_ack_timeout(deployment):
 
 def test_sigterm_ends_a_worker_whose_engine_hangs_in_a_native_call(deployment):
     """Runs last: the test before has stopped the deployment's worker. A fresh one, with a 1 s
-    drain, gets a request whose engine thread then hangs in a native call (libc sleep, as a
-    stable-diffusion.cpp generation or a wedged driver would): SIGTERM still ends the process, at
-    the drain plus SHUTDOWN_GRACE_SECS, with the threads it cut in the log."""
+    drain and a 3 s grace, gets a request whose engine thread then hangs in a native call (libc
+    sleep, as a stable-diffusion.cpp generation or a wedged driver would): SIGTERM still ends the
+    process, at the drain plus the grace, with the threads it cut in the log."""
     config = Path(deployment.env["HYPNOS_CONFIG"])
     short_drain = config.with_name("hypnos-short-drain.toml")
-    short_drain.write_text(config.read_text().replace("[server]\n", "[server]\nshutdown_drain_secs = 1\n", 1))
+    short_drain.write_text(
+        config.read_text().replace(
+            "[server]\n", f"[server]\nshutdown_drain_secs = {DRAIN_SECS}\nshutdown_grace_secs = {GRACE_SECS}\n", 1
+        )
+    )
     env = {**deployment.env, "HYPNOS_CONFIG": str(short_drain)}
     deployment.worker = start("runinference-hang", ["manage.py", "runinference"], env, deployment.directory)
     try:
@@ -310,7 +317,7 @@ def test_sigterm_ends_a_worker_whose_engine_hangs_in_a_native_call(deployment):
         # Whatever happened, no process of this test outlives it: the supervisor and its child.
         kill_tree(deployment.worker.popen)
     log = deployment.worker.log
-    assert waited >= SHUTDOWN_GRACE_SECS  # a cut, not a clean stop
+    assert waited >= GRACE_SECS  # a cut, not a clean stop
     assert code == CUT_EXIT_CODE
     text = log.read_text()
     assert "exiting now" in text and "hypnos-infer" in text, deployment.worker.tail()
@@ -341,9 +348,9 @@ def hang_then_sigterm(deployment: Deployment) -> tuple[int, float]:
             time.sleep(0.1)
         deployment.worker.popen.send_signal(signal.SIGTERM)  # the supervisor forwards it
         signalled = time.monotonic()
-        # The drain (1 s) and the grace; 5x that for a busy machine. Without the hard stop the
-        # process never ends (SIGKILL would be the only way out).
-        bound = 5 * (1 + SHUTDOWN_GRACE_SECS)
+        # The drain and the grace; 5x that for a busy machine. Without the hard stop the process
+        # never ends (SIGKILL would be the only way out).
+        bound = 5 * (DRAIN_SECS + GRACE_SECS)
         code = deployment.worker.popen.wait(timeout=bound)
     return code, time.monotonic() - signalled
 

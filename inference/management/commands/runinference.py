@@ -5,7 +5,7 @@ By default the command is a small supervisor: the worker itself runs in a child 
 code, SIGKILL, the OOM killer) is started again after a backoff. Requests in flight on the dead
 worker end on the web side within the reply deadline (inference/transport/client.py), with an error chunk
 in a stream and a 503 otherwise. SIGTERM / SIGINT go to the child, which drains and exits (at the latest
-SHUTDOWN_GRACE_SECS after the drain, whatever still runs: hypnos_site/hard_stop.py); a
+`server.shutdown_grace_secs` after the drain, whatever still runs: hypnos_site/hard_stop.py); a
 child that exits by itself (an error at start-up, a clean stop) ends the supervisor with its code.
 """
 
@@ -26,7 +26,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from hypnos_site.config import BASE_DIR
-from hypnos_site.hard_stop import SHUTDOWN_GRACE_SECS, exit_after
+from hypnos_site.hard_stop import exit_after
 from inference.worker import Worker
 from inference.worker.channel_server import ChannelServer
 from models_registry.overlay import with_overlay
@@ -68,8 +68,9 @@ class Command(BaseCommand):
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         drain_secs = settings.HYPNOS.server.shutdown_drain_secs
+        cut_after = drain_secs + settings.HYPNOS.server.shutdown_grace_secs
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, _stop, stop, drain_secs)
+            loop.add_signal_handler(sig, _stop, stop, cut_after)
         # The pool: the config file's models with the run-time changes kept in the database.
         worker = Worker(await sync_to_async(with_overlay)(settings.HYPNOS))
         worker.start()
@@ -81,12 +82,12 @@ class Command(BaseCommand):
             await loop.run_in_executor(None, worker.shutdown)
 
 
-def _stop(stop: asyncio.Event, drain_secs: float) -> None:
+def _stop(stop: asyncio.Event, cut_after: float) -> None:
     """SIGTERM / SIGINT: drain, and whatever still runs after the drain and the grace (an engine
     in a native call that does not look at its cancel flag), the process ends then
     (hypnos_site/hard_stop.py)."""
     stop.set()
-    exit_after(drain_secs + SHUTDOWN_GRACE_SECS)
+    exit_after(cut_after)
 
 
 class Supervisor:

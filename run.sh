@@ -16,6 +16,12 @@
 #   ./run.sh advise --needs chat,voice [--vram 24G --ram 64G | --unified --ram 32G] [--json | --config]
 #                       recommend a lineup from the catalog and write its config (venv step only)
 #   ./run.sh --catalog-block <id>[:<quant>]  print a catalog variant's [[models]] block
+#   ./run.sh gpu-pack [--cache DIR]  fill .gpu/ with what a bare, offline GPU machine needs for
+#                       gpu-check (trimmed llama-cpp-python sdist, wheels) and print the device
+#                       command (venv step only; docs/gpu.md)
+#   ./run.sh gpu-check OUTDIR  on a GPU machine: CUDA build (or its cached bundle), tests/gpu, the
+#                       GPU chat benchmark; report and bundle in OUTDIR. Needs no venv: python3
+#                       and .gpu/ are enough (CUDA steps skip without a GPU)
 #   ./run.sh list|ps|pull|load|unload|run|keys|logs|status [..]  the `hypnos` CLI against a
 #                       running server (venv step only; `./run.sh ps --help`, docs/cli.md)
 set -euo pipefail
@@ -178,13 +184,24 @@ print(f"{s.channel_prefix}.jobs", s.job_concurrency)')
     setup_venv
     exec "$VENV/bin/python" manage.py catalogblock "$@"
     ;;
+  gpu-pack)
+    setup_venv
+    exec "$VENV/bin/python" -m bench.gpu.pack --version "$LLAMA_VERSION" "$@"
+    ;;
+  gpu-check)
+    # A lent GPU machine is bare and offline: no venv, its own python3 and the carried .gpu/.
+    # CUDA is added by bench/gpu/build.py with the detected architecture only.
+    py="$VENV/bin/python"
+    [ -x "$py" ] || py=${HYPNOS_GPU_PYTHON:-python3}
+    LLAMA_VERSION=$LLAMA_VERSION LLAMA_CMAKE_ARGS=$CPU_CMAKE_ARGS exec "$py" -m bench.gpu.check "$@"
+    ;;
   list|ps|pull|load|unload|run|keys|logs|status)
     # The operator's CLI talks to a running server over HTTP: the venv is enough.
     setup_venv
     exec "$VENV/bin/hypnos" "$cmd" "$@"
     ;;
   *)
-    echo "usage: ./run.sh [serve|test|lint|worker|jobs|setup|models|advise|--catalog-block] [args...]" >&2
+    echo "usage: ./run.sh [serve|test|lint|worker|jobs|setup|models|advise|--catalog-block|gpu-pack|gpu-check] [args...]" >&2
     echo "       ./run.sh [list|ps|pull|load|unload|run|keys|logs|status] [args...]  (the hypnos CLI)" >&2
     exit 2
     ;;

@@ -19,6 +19,11 @@ PARIS_MESSAGES = [
     {"role": "user", "content": "What is the capital of France? Answer in one sentence."},
 ]
 
+# tests/gpu (issue 20) is for a GPU: the suite's own collection (pytest's walk from tests/) leaves it
+# out unless HYPNOS_GPU_TESTS=1 (`./run.sh gpu-check` sets it), since here it would only add skipped
+# tests and CI skips none. Named on the command line (`pytest tests/gpu`) it is collected anyway.
+collect_ignore = [] if os.environ.get("HYPNOS_GPU_TESTS") == "1" else ["gpu"]
+
 _last_worker_user: list[str] = []
 # .ci/run's memory sampler reads which test is running from this file, to say where the peak is.
 _PROGRESS = os.environ.get("HYPNOS_CI_PROGRESS")

@@ -125,7 +125,7 @@ class LlamaEngine(Engine):
                 n_ctx=context_len,
                 n_threads=self.n_threads,
                 n_threads_batch=self.n_threads,
-                n_gpu_layers=gpu_layers,
+                n_gpu_layers=llama_gpu_layers(gpu_layers, self.footprint().n_layers),
                 verbose=False,
                 **self._context_options(context_len),
             )
@@ -728,6 +728,14 @@ class LlamaEngine(Engine):
 
 # llama_cpp types the chat formatter's messages and tools as its OpenAI TypedDicts, but the
 # Jinja templates take any dicts, and ours carry keys those TypedDicts do not declare.
+def llama_gpu_layers(gpu_layers: int, n_layers: int) -> int:
+    """llama.cpp's n_gpu_layers for a placement of `gpu_layers` of `n_layers` repeating layers
+    in tier 1. llama.cpp counts the output head as one more layer and offloads it first (layers
+    from n_layers + 1 - n_gpu_layers up), so the model's own layer count would leave layer 0 in
+    host memory: a whole placement is -1 (everything). A partial one is passed as planned."""
+    return -1 if n_layers and gpu_layers >= n_layers else gpu_layers
+
+
 def _chat_messages(messages: list[dict[str, Any]]) -> list[llama_types.ChatCompletionRequestMessage]:
     return cast(list[llama_types.ChatCompletionRequestMessage], messages)
 

@@ -469,3 +469,14 @@ def test_a_keep_alive_beyond_any_date_is_forever():
         assert tm.model_status("a")["keep_alive_secs"] == -1 and tm.expires_at("a") is None
     tm.set_keep_alive("a", 9e9)
     assert tm.expires_at("a") is not None
+
+
+def test_a_whole_placement_offloads_every_layer_and_the_output_head():
+    """llama.cpp offloads the output head first and counts it as a layer: n_gpu_layers equal to
+    the model's layer count would leave layer 0 in host memory (issue 20's GPU check found it)."""
+    from inference.engines.llama import llama_gpu_layers
+
+    assert llama_gpu_layers(24, 24) == -1
+    assert llama_gpu_layers(30, 24) == -1
+    assert llama_gpu_layers(10, 24) == 10  # partial: as planned
+    assert llama_gpu_layers(0, 24) == 0  # tier 1 simulated, or no GPU

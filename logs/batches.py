@@ -8,15 +8,24 @@ line (400, nothing created). The job (inference/jobs/batches.py) appends one res
 Celery worker or server) skips what is written and does nothing twice; at the end the results
 become the output file (2xx answers) and the error file (the others), in input order. A batch
 is seen only by the key that created it and by admin keys.
+
+A batch not finished when its completion window ends is expired (OpenAI's semantics): the lines
+not run yet go to the error file as `batch_expired`, the answered ones stay where they are.
+
+A line of /v1/audio/transcriptions names its audio in `body.file`: the id of a file of the
+Files API the batch's key sees, or a data: URL; the job sends it to the route as the multipart
+upload the route takes from a client (line_audio).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 import re
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -26,7 +35,7 @@ from django.conf import settings
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from hypnos_site.errors import InvalidRequest, NotFound
+from hypnos_site.errors import HypnosError, InvalidRequest, NotFound
 from logs import files
 from logs.listing import owned_by, page
 from logs.models import Batch
@@ -34,11 +43,24 @@ from models_registry.authentication import ApiPrincipal
 
 BATCH_ID_PATTERN = r"batch_[0-9a-f]{32}"
 _BATCH_ID = re.compile(BATCH_ID_PATTERN)
-# The routes a batch line may call: JSON bodies answered in one JSON object.
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/entities")
+TRANSCRIPTIONS = "/v1/audio/transcriptions"
+# The routes a batch line may call: JSON bodies (a transcription's audio named in it, sent as the
+# route's multipart upload), answered in one JSON object (a text transcript: a JSON string).
+ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/entities",
+    TRANSCRIPTIONS,
+)
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 MAX_CUSTOM_ID_CHARS = 512
+# A line's audio given inline: a base64 data: URL of one of these media types.
+_DATA_URL = re.compile(r"data:((?:audio|video)/[\w.+-]+|application/octet-stream)(?:;[\w.+-]+=[\w.+-]+)*;base64,")
+# OpenAI's error-file line for a request the completion window ended before.
+EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 
 
 @dataclass(frozen=True)
@@ -79,7 +101,7 @@ def batch_object(batch: Batch) -> dict[str, Any]:
         "finalizing_at": _stamp(batch.finalizing_at),
         "completed_at": _stamp(batch.completed_at),
         "failed_at": _stamp(batch.failed_at),
-        "expired_at": None,
+        "expired_at": _stamp(batch.expired_at),
         "cancelling_at": _stamp(batch.cancelling_at),
         "cancelled_at": _stamp(batch.cancelled_at),
         "request_counts": {"total": batch.total, "completed": batch.completed, "failed": batch.failed},
@@ -111,8 +133,11 @@ def create_batch(
     source = files.find_file(input_file_id, principal)
     if source.purpose != "batch":
         raise InvalidRequest(f"{input_file_id} was uploaded for {source.purpose}, not batch.", param="input_file_id")
-    lines = read_lines(files.content_path(source), endpoint)
+    lines = read_lines(files.content_path(source), endpoint, lambda file_id: files.find_file(file_id, principal))
     now = timezone.now()
+    override = settings.HYPNOS.server.batch_window_secs
+    if override is not None:  # a test's or an operator's window; the public value stays the same
+        window = timedelta(seconds=override)
     return Batch.objects.create(
         id=new_batch_id(),
         owner_label=principal.label if principal is not None else None,
@@ -128,10 +153,12 @@ def create_batch(
     )
 
 
-def read_lines(path: Path, endpoint: str) -> list[Line]:
+def read_lines(path: Path, endpoint: str, find_file: Callable[[str], object] | None = None) -> list[Line]:
     """Every request of an input file, checked: a JSON object with a unique string `custom_id`,
     `method` POST, `url` the batch's endpoint and a `body` object naming its `model` and not
-    asking for a stream. The first line that is not is a 400 naming it."""
+    asking for a stream; a transcription's `body.file` a data: URL of audio or a file id that
+    `find_file` finds (given when the batch is created: a file the key sees; the job reading the
+    lines again gives none). The first line that is not is a 400 naming it."""
     lines: list[Line] = []
     seen: set[str] = set()
     offset = 0
@@ -141,6 +168,8 @@ def read_lines(path: Path, endpoint: str) -> list[Line]:
             if not raw.strip():
                 continue
             problem, line = _check_line(raw, endpoint, seen)
+            if problem is None and endpoint == TRANSCRIPTIONS and line is not None:
+                problem = _audio_problem(line["body"], find_file)
             if problem is not None:
                 raise InvalidRequest(f"Line {number} of the input file is refused: {problem}.", param="input_file_id")
             assert line is not None
@@ -175,6 +204,46 @@ def _check_line(raw: bytes, endpoint: str, seen: set[str]) -> tuple[str | None, 
     if body.get("stream"):
         return "body.stream must not be true: a batch's answers are whole", None
     return None, line
+
+
+def _audio_problem(body: dict[str, Any], find_file: Callable[[str], object] | None) -> str | None:
+    """Why a transcription line's `body.file` names no audio, or None: a data: URL must decode,
+    a file id must be found by `find_file` (when given)."""
+    reference = body.get("file")
+    if not isinstance(reference, str) or not reference:
+        return "body.file must name the audio: a file id or a data: URL"
+    try:
+        if reference.startswith("data:"):
+            data_url_bytes(reference)
+        elif find_file is not None:
+            find_file(reference)
+    except HypnosError as exc:
+        return f"body.file: {exc.message.rstrip('.')}"
+    return None
+
+
+def data_url_bytes(url: str) -> bytes:
+    """The bytes of a base64 data: URL of audio (or video, or octet-stream); 400 otherwise."""
+    match = _DATA_URL.match(url)
+    if match is None:
+        raise InvalidRequest("A data: URL must read data:<audio/... or video/... type>;base64,<data>.", param="file")
+    try:
+        data = base64.b64decode(url[match.end() :], validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequest("The data: URL does not hold valid base64.", param="file") from None
+    if not data:
+        raise InvalidRequest("The data: URL holds no audio.", param="file")
+    return data
+
+
+def line_audio(body: dict[str, Any], principal: ApiPrincipal | None) -> tuple[bytes, str]:
+    """A transcription line's audio and its file name, read when the line runs: the data: URL's
+    bytes, or the bytes of the file `principal` still sees (404 when it was deleted since)."""
+    reference = str(body.get("file") or "")
+    if reference.startswith("data:"):
+        return data_url_bytes(reference), "audio"
+    row = files.find_file(reference, principal)
+    return files.content_path(row).read_bytes(), row.filename
 
 
 def request_body(path: Path, line: Line) -> bytes:
@@ -228,6 +297,24 @@ def fail(batch_id: str, reason: str) -> None:
     )
 
 
+def expire_rest(batch: Batch, lines: list[Line]) -> int:
+    """The window ended: every line with no result yet gets OpenAI's `batch_expired` error
+    line, written like any result (a job started again finds them done); how many."""
+    written = written_results(batch.id)
+    pending = [(line.index, False, expired_line(line.custom_id)) for line in lines if line.index not in written]
+    append_results(batch.id, pending)
+    return len(pending)
+
+
+def expired_line(custom_id: str) -> dict[str, Any]:
+    return {
+        "id": "batch_req_" + secrets.token_hex(16),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": "batch_expired", "message": EXPIRED_MESSAGE},
+    }
+
+
 # -- results -------------------------------------------------------------------------------------
 
 
@@ -256,10 +343,16 @@ def written_results(batch_id: str) -> dict[int, dict[str, Any]]:
 
 def append_result(batch_id: str, index: int, ok: bool, output: dict[str, Any]) -> None:
     """One line's result, on disk before the next request starts (written and synced)."""
+    append_results(batch_id, [(index, ok, output)])
+
+
+def append_results(batch_id: str, results: list[tuple[int, bool, dict[str, Any]]]) -> None:
+    """Lines' results (index, answered 2xx, output line), written and synced once."""
     path = results_path(batch_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("ab") as out:
-        out.write(json.dumps({"index": index, "ok": ok, "output": output}).encode() + b"\n")
+        for index, ok, output in results:
+            out.write(json.dumps({"index": index, "ok": ok, "output": output}).encode() + b"\n")
         out.flush()
         os.fsync(out.fileno())
 

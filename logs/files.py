@@ -1,4 +1,5 @@
-"""The file store of the Files API (POST /v1/files, OpenAI's; purpose "batch": a batch's input).
+"""The file store of the Files API (POST /v1/files, OpenAI's; purpose "batch": a batch's input;
+"user_data": what its lines name, the audio of transcriptions).
 
 Records live in the database (StoredFile), the bytes in one file each under `data_dir/files/`,
 named by the record's id. A request never names a path: it names a file id, which must match
@@ -36,9 +37,10 @@ log = logging.getLogger(__name__)
 # 128 random bits: an id cannot be guessed, only learnt from the upload's answer or a listing.
 FILE_ID_PATTERN = r"file-[0-9a-f]{32}"
 _FILE_ID = re.compile(FILE_ID_PATTERN)
-# What a client may upload a file for: the Batch API's input (OpenAI's other purposes name
-# assistants, fine-tuning and evals, which Hypnos does not serve).
-PURPOSES = ("batch",)
+# What a client may upload a file for: the Batch API's input (JSONL, checked), and OpenAI's
+# "user_data" (any bytes: the audio a batch's transcription lines name by file id). OpenAI's
+# other purposes name assistants, fine-tuning and evals, which Hypnos does not serve.
+PURPOSES = ("batch", "user_data")
 # OpenAI's bound on a batch's requests.
 MAX_BATCH_LINES = 50_000
 LIST_LIMIT_MAX = 10_000
@@ -76,7 +78,8 @@ def store_upload(
     config = settings.HYPNOS.server
     if purpose not in PURPOSES:
         raise InvalidRequest(
-            f"purpose must be one of {', '.join(PURPOSES)} (the Batch API's input), not {purpose!r}.",
+            f"purpose must be one of {', '.join(PURPOSES)} (the Batch API's input and the files its lines name), "
+            f"not {purpose!r}.",
             param="purpose",
         )
     if size > config.files_max_bytes:

@@ -159,7 +159,7 @@ class Batch(models.Model):
     """A batch of the Batch API (POST /v1/batches): an input file of requests to one endpoint, run
     line by line as a Celery job (inference/jobs/batches.py) into an output and an error file.
     Its status and counts are OpenAI's; `cancel_requested` is set by POST .../cancel and read by
-    the job before each line."""
+    the job before each line, as is `expires_at` (past it, the batch ends expired)."""
 
     STATUSES = [
         (s, s)
@@ -203,6 +203,7 @@ class Batch(models.Model):
     failed_at = models.DateTimeField(null=True, blank=True)
     cancelling_at = models.DateTimeField(null=True, blank=True)
     cancelled_at = models.DateTimeField(null=True, blank=True)
+    expired_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         verbose_name_plural = "batches"

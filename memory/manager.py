@@ -369,15 +369,16 @@ class TierManager:
 
     # -- decisions ---------------------------------------------------------------------------
 
-    def evictable(self, for_model: str, tiers: tuple[MemoryTier, ...]) -> list[ModelEntry]:
-        """Idle models in `tiers` that the requesting model may displace, cheapest loss first."""
+    def evictable(self, for_model: str, tiers: tuple[MemoryTier, ...], leased_too: bool = False) -> list[ModelEntry]:
+        """Idle models in `tiers` that the requesting model may displace, cheapest loss first;
+        `leased_too`: the leased ones as well, as if idle (a plan never carried out)."""
         requester = self.entries[for_model]
         found = [
             e
             for e in self.entries.values()
             if e.model_id != for_model
             and e.tier in tiers
-            and e.leases == 0
+            and (e.leases == 0 or leased_too)
             and e.priority != "realtime_pinned"
             and e.rank <= requester.rank
         ]
@@ -386,14 +387,15 @@ class TierManager:
     def _loss_cost(self, entry: ModelEntry) -> float:
         return entry.reload_estimate_ms(MemoryTier.TIER3) * entry.rate.per_minute()
 
-    def plan_promotion(self, model_id: str, context_len: int) -> Promotion:
+    def plan_promotion(self, model_id: str, context_len: int, leased_too: bool = False) -> Promotion:
         """The placement for `model_id` in tier 1 and the evictions that make room for it,
-        preferring a whole placement with evictions to a partial one without."""
+        preferring a whole placement with evictions to a partial one without. `leased_too`
+        plans as if the leased models were idle: a question (held_by_leases), never carried out."""
         with self.lock:
             entry = self.entries[model_id]
             own = entry.tier1_bytes()
             free = self.tier1_counters()["effective_free"] + own  # type: ignore[operator]
-            victims = self.evictable(model_id, (MemoryTier.TIER1,))
+            victims = self.evictable(model_id, (MemoryTier.TIER1,), leased_too)
             fp, ratio, moe = entry.footprint, self.limits.min_gpu_layer_ratio, entry.moe_offload
             # Whole with the experts where the mode puts them, then (moe_offload "auto") whole
             # with some experts in tier 2, then a layer split: each with the fewest evictions.
@@ -422,6 +424,27 @@ class TierManager:
             evictions += self._warm_room(model_id, placement.pinned_ram_bytes, evictions)
             self._check_process_cap(entry, placement, evictions)
             return Promotion(placement, evictions)
+
+    def held_by_leases(self, model_id: str, context_len: int) -> list[str]:
+        """The other models in tier 1 that requests lease now, when `model_id` (out of tier 1)
+        would fit there with `context_len` tokens were they idle: a request that may wait (a
+        batch's line) waits for them rather than fail. [] when nothing leased is in the way or
+        the model would not fit either way."""
+        with self.lock:
+            if self.entries[model_id].tier == MemoryTier.TIER1:
+                return []
+            leased = [
+                e.model_id
+                for e in self.entries.values()
+                if e.model_id != model_id and e.tier == MemoryTier.TIER1 and e.leases
+            ]
+            if not leased:
+                return []
+            try:
+                self.plan_promotion(model_id, context_len, leased_too=True)
+            except NoRoom:
+                return []
+            return leased
 
     def _over_count(self, model_id: str, rest: list[ModelEntry], chosen: int) -> list[ModelEntry]:
         """More idle models to evict, least recently used first within priority, while tier 1

@@ -24,6 +24,7 @@ from hypnos_site.errors import (
     DeadlineUnmeetable,
     DeviceOutOfMemory,
     HypnosError,
+    InsufficientMemory,
     InvalidRequest,
     ModelBusy,
     ModelNotAvailable,
@@ -64,6 +65,8 @@ log = logging.getLogger(__name__)
 
 # How often a request waiting for a slot looks at its cancel flag.
 SLOT_POLL_SECS = 0.05
+# How often a background request waiting for room that leased models hold looks again.
+LEASE_POLL_SECS = 0.1
 CONTROL_OPS = (
     "status",
     "memory_status",
@@ -544,17 +547,15 @@ class Worker:
                 engine = self.moves.engine(runtime)
                 self.tiers.lease(runtime.config.id)
                 lease = self._leases[request_id] = Lease(self.tiers, runtime, cancel)
-            queue_ms = (time.perf_counter() - arrived) * 1000
-            if isinstance(work, MediaWork):
-                final = serve_media(self.moves, runtime, engine, work, cancel, sink, queue_ms)
-            elif isinstance(work, DocumentWork):
-                final = serve_document(self.moves, runtime, engine, work, cancel, sink, queue_ms)  # type: ignore[arg-type]
-            elif isinstance(work, EntityWork):
-                final = serve_entities(self.moves, runtime, engine, work, lease, sink, queue_ms, self.config.limits)
-            elif isinstance(work, ImageWork):
-                final = serve_images(self.moves, runtime, engine, work, lease, sink, queue_ms)
-            else:
-                final = self._serve_chat(runtime, engine, work, lease, sink, queue_ms)
+            while True:
+                queue_ms = (time.perf_counter() - arrived) * 1000
+                try:
+                    final = self._serve(runtime, engine, work, lease, sink, queue_ms)
+                    break
+                except InsufficientMemory:
+                    # Refused before it sent anything (ensure_tier1 comes first on every path).
+                    if not background or not self._wait_for_leased_room(runtime, cancel):
+                        raise
             runtime.note_service((time.perf_counter() - arrived) * 1000 - queue_ms)
         except HypnosError as exc:
             final = Error.of(exc)
@@ -578,6 +579,42 @@ class Worker:
             self._faults.pop(request_id, None)
             if final is not None:
                 sink(final)
+
+    def _serve(
+        self,
+        runtime: ModelRuntime,
+        engine: Engine,
+        work: ChatWork | MediaWork | DocumentWork | EntityWork | ImageWork,
+        lease: Lease,
+        sink: Sink,
+        queue_ms: float,
+    ) -> Event:
+        """Run the (leased) request on its engine, streaming into `sink`; its terminal event."""
+        if isinstance(work, MediaWork):
+            return serve_media(self.moves, runtime, engine, work, lease.cancel, sink, queue_ms)
+        if isinstance(work, DocumentWork):
+            return serve_document(self.moves, runtime, engine, work, lease.cancel, sink, queue_ms)  # type: ignore[arg-type]
+        if isinstance(work, EntityWork):
+            return serve_entities(self.moves, runtime, engine, work, lease, sink, queue_ms, self.config.limits)
+        if isinstance(work, ImageWork):
+            return serve_images(self.moves, runtime, engine, work, lease, sink, queue_ms)
+        return self._serve_chat(runtime, engine, work, lease, sink, queue_ms)
+
+    def _wait_for_leased_room(self, runtime: ModelRuntime, cancel: threading.Event) -> bool:
+        """A background request (a batch's line) refused tier-1 room that models leased by other
+        requests hold: it waits, holding its own slot, until they let go, so it never fails
+        because interactive traffic was using the room, and never takes that room from it (a
+        leased model is never evicted). True: try again; False: the refusal stands (nothing
+        leased is in the way, or the request was cancelled meanwhile)."""
+        model_id, context_len = runtime.config.id, runtime.config.context_len
+        leased = self.tiers.held_by_leases(model_id, context_len)
+        if not leased:
+            return False
+        log.info("%s (background) waits for the room that leased %s hold", model_id, ", ".join(leased))
+        while self.tiers.held_by_leases(model_id, context_len):
+            if cancel.wait(LEASE_POLL_SECS):
+                return False
+        return True
 
     def _serve_chat(
         self, runtime: ModelRuntime, engine: Engine, work: ChatWork, lease: Lease, sink: Sink, queue_ms: float

@@ -1,12 +1,16 @@
 """The Batch API (POST/GET /v1/batches, GET /v1/batches/{id}, POST .../cancel) on the embedded
-deployment: real models answer every line through the server's own routes, the output and
-error files come back in input order, a bad line refuses the batch naming it, a cancel stops it
-between lines, a job started again does nothing twice, and the keys' rights and quotas hold."""
+deployment: real models answer every line through the server's own routes (transcriptions too,
+their audio a file of the key or a data: URL), the output and error files come back in input
+order, a bad line refuses the batch naming it, a cancel stops it between lines, a batch past its
+completion window expires, a job started again does nothing twice, a batch never takes the room
+of a model interactive traffic leases, and the keys' rights and quotas hold."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import re
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -14,22 +18,29 @@ from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import AsyncClient
 from django.test.client import encode_multipart
 from django.utils import timezone
 
-from hypnos_site.config import KeyConfig
+from hypnos_site.config import HypnosConfig, KeyConfig
 from inference.jobs import batches as batch_job
 from inference.transport.runtime import get_client
+from inference.worker import Worker
 from logs import batches
 from logs.models import Batch
 from models_registry.authentication import ApiPrincipal, default_label
-from tests.integration.conftest import post_json, with_server
+from tests.conftest import PARIS_MESSAGES
+from tests.integration.conftest import post_json, wait_until, with_server
 
 pytestmark = pytest.mark.django_db(transaction=True)
 ADMIN = "sk-admin-test"
 SMOL = "smollm2-135m"
+QWEN = "qwen2.5-coder-0.5b"
 EMBED = "all-minilm-l6-v2"
+TTS, STT = "piper-joe", "whisper-tiny.en"
+# Whisper tiny.en gives this Piper sentence back word for word (tests/integration/test_audio.py).
+SENTENCE = "Hello world. The weather is nice today."
 BOUNDARY = "hypnos-batch-boundary"
 # Each wait polls the batch; an idle machine finishes these batches in seconds.
 WAIT_SECS = 240
@@ -62,18 +73,30 @@ def embed_line(custom_id: str, text: str) -> dict[str, Any]:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": {"model": EMBED, "input": text}}
 
 
+def transcription_line(custom_id: str, audio: str, **fields: Any) -> dict[str, Any]:
+    body = {"model": STT, "file": audio, "language": "en", **fields}
+    return {"custom_id": custom_id, "method": "POST", "url": batches.TRANSCRIPTIONS, "body": body}
+
+
+def words(text: str) -> str:
+    return " ".join(re.findall(r"[a-z]+", text.lower()))
+
+
 async def upload(api: AsyncClient, lines: list[Any], key: str = "sk-a") -> str:
     content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    return await upload_bytes(api, content, "batch.jsonl", "batch", key)
 
+
+async def upload_bytes(api: AsyncClient, content: bytes, filename: str, purpose: str, key: str = "sk-a") -> str:
     class Part:
-        name = "batch.jsonl"
+        name = filename
 
         def read(self) -> bytes:
             return content
 
     response = await api.post(
         "/v1/files",
-        data=encode_multipart(BOUNDARY, {"file": Part(), "purpose": "batch"}),
+        data=encode_multipart(BOUNDARY, {"file": Part(), "purpose": purpose}),
         content_type=f"multipart/form-data; boundary={BOUNDARY}",
         headers=bearer(key),
     )
@@ -273,3 +296,171 @@ async def test_the_lines_count_against_the_keys_tokens_per_day(api):
     errors = await lines_of(api, done["error_file_id"], key="sk-daily")
     assert {line["response"]["status_code"] for line in errors} == {429}
     assert errors[0]["response"]["body"]["error"]["code"] == "tokens_per_day"
+
+
+async def spoken_wav(api: AsyncClient) -> tuple[bytes, str]:
+    """A Piper WAV of SENTENCE and what the transcription route makes of it, asked directly."""
+    speech = await post_json(api, "/v1/audio/speech", {"model": TTS, "input": SENTENCE}, **bearer("sk-a"))
+    assert speech.status_code == 200, speech.content
+    form = {"model": STT, "language": "en", "file": SimpleUploadedFile("speech.wav", speech.content, "audio/wav")}
+    direct = await api.post("/v1/audio/transcriptions", form, headers=bearer("sk-a"))
+    assert direct.status_code == 200, direct.content
+    return speech.content, direct.json()["text"]
+
+
+async def test_a_transcription_batch_answers_as_the_route_does_from_a_file_or_a_data_url(api):
+    wav, heard = await spoken_wav(api)
+    assert words(heard) == words(SENTENCE)
+    audio_id = await upload_bytes(api, wav, "speech.wav", "user_data")
+    data_url = "data:audio/wav;base64," + base64.b64encode(wav).decode()
+    lines = [
+        transcription_line("from-file", audio_id),
+        transcription_line("as-text", data_url, response_format="text"),
+        transcription_line("verbose", audio_id, response_format="verbose_json", timestamp_granularities=["segment"]),
+        # The route's own checks hold: a format it does not know is its 400.
+        transcription_line("bad-format", data_url, response_format="xml"),
+    ]
+    batch = (await create(api, await upload(api, lines), batches.TRANSCRIPTIONS)).json()
+    assert batch["endpoint"] == batches.TRANSCRIPTIONS
+    done = await ended(api, batch["id"])
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 4, "completed": 3, "failed": 1}
+    output = {line["custom_id"]: line["response"] for line in await lines_of(api, done["output_file_id"])}
+    assert list(output) == ["from-file", "as-text", "verbose"]
+    assert all(answer["status_code"] == 200 for answer in output.values())
+    assert output["from-file"]["body"]["text"] == heard
+    # A text answer is the output line's body as a JSON string, as the route sends it.
+    assert output["as-text"]["body"] == heard + "\n"
+    verbose = output["verbose"]["body"]
+    assert verbose["text"] == heard and verbose["segments"] and verbose["language"]
+    [refused] = await lines_of(api, done["error_file_id"])
+    assert refused["custom_id"] == "bad-format" and refused["response"]["status_code"] == 400
+    assert refused["response"]["body"]["error"]["param"] == "response_format"
+    # An admin key may name any key's audio; the line runs with the admin's rights.
+    admin_lines = [transcription_line("theirs", audio_id)]
+    admin_batch = (
+        await create(api, await upload(api, admin_lines, key=ADMIN), batches.TRANSCRIPTIONS, key=ADMIN)
+    ).json()
+    admin_done = await ended(api, admin_batch["id"], key=ADMIN)
+    [theirs] = await lines_of(api, admin_done["output_file_id"], key=ADMIN)
+    assert theirs["response"]["body"]["text"] == heard
+
+
+async def test_a_transcription_line_whose_audio_is_gone_when_it_runs_fails_alone(api):
+    admin = ApiPrincipal(label=default_label(ADMIN), admin=True)
+    audio_id = await upload_bytes(api, b"RIFF" + b"\0" * 64, "gone.wav", "user_data", key=ADMIN)
+    file_id = await upload(api, [transcription_line("gone", audio_id)], key=ADMIN)
+    create_batch = sync_to_async(batches.create_batch)
+    batch = await create_batch(
+        admin, input_file_id=file_id, endpoint=batches.TRANSCRIPTIONS, completion_window="24h", metadata=None
+    )
+    assert (await api.delete(f"/v1/files/{audio_id}", headers=bearer(ADMIN))).status_code == 200
+    assert await batch_job.run_job(batch.id, get_client(), None) == {"completed": 0, "failed": 1}
+    done = (await api.get(f"/v1/batches/{batch.id}", headers=bearer(ADMIN))).json()
+    [gone] = await lines_of(api, done["error_file_id"], key=ADMIN)
+    assert gone["response"]["status_code"] == 404
+    assert gone["response"]["body"]["error"] == {
+        "message": f"No such File object: {audio_id}",
+        "type": "not_found",
+        "param": "file_id",
+        "code": "not_found",
+    }
+
+
+@pytest.mark.parametrize(
+    ("audio", "words_"),
+    [
+        ("file-" + "0" * 32, "No such File object"),
+        ("theirs", "No such File object"),
+        ("data:audio/wav;base64,not*base64", "does not hold valid base64"),
+        ("data:text/plain;base64,aGVsbG8=", "data: URL must read"),
+        ("", "body.file must name the audio"),
+    ],
+)
+async def test_a_transcription_line_must_name_audio_its_key_sees(api, audio, words_):
+    if audio == "theirs":
+        audio = await upload_bytes(api, b"RIFF" + b"\0" * 64, "theirs.wav", "user_data", key="sk-b")
+    good = transcription_line("good", "data:audio/wav;base64,UklGRg==")
+    file_id = await upload(api, [good, transcription_line("bad", audio)])
+    response = await create(api, file_id, batches.TRANSCRIPTIONS)
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert error["param"] == "input_file_id" and "Line 2" in error["message"] and words_ in error["message"], error
+    assert not await Batch.objects.aexists()
+
+
+async def test_a_batch_whose_window_ends_before_its_first_line_expires_with_none_run(api, settings):
+    with_server(settings, batch_window_secs=0.001)
+    lines = [embed_line(f"e{i}", f"text {i}") for i in range(3)]
+    batch = (await create(api, await upload(api, lines), "/v1/embeddings")).json()
+    assert batch["completion_window"] == "24h"
+    done = await ended(api, batch["id"])
+    assert done["status"] == "expired" and done["expired_at"] is not None, done
+    assert done["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+    assert done["output_file_id"] is None and done["completed_at"] is None
+    expired = await lines_of(api, done["error_file_id"])
+    assert [line["custom_id"] for line in expired] == ["e0", "e1", "e2"]
+    assert all(line["response"] is None and line["error"]["code"] == "batch_expired" for line in expired)
+    assert not batches.results_path(batch["id"]).exists()
+
+
+async def test_a_batch_expires_between_lines_keeping_the_answers_it_has(api):
+    lines = [chat_line(f"s{i}", f"Write a sentence about the number {i}.", max_tokens=24) for i in range(40)]
+    batch = (await create(api, await upload(api, lines), "/v1/chat/completions")).json()
+    deadline = time.monotonic() + WAIT_SECS
+    while (await Batch.objects.aget(id=batch["id"])).completed < 1:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    # The window ends now (as 24 h later would): the job sees it before its next line.
+    await Batch.objects.filter(id=batch["id"]).aupdate(expires_at=timezone.now())
+    done = await ended(api, batch["id"])
+    assert done["status"] == "expired" and done["expired_at"] >= done["expires_at"], done
+    counts = done["request_counts"]
+    assert 1 <= counts["completed"] < 40 and counts["completed"] + counts["failed"] == 40
+    output = await lines_of(api, done["output_file_id"])
+    assert [line["custom_id"] for line in output] == [f"s{i}" for i in range(counts["completed"])]
+    expired = await lines_of(api, done["error_file_id"])
+    assert [line["custom_id"] for line in expired] == [f"s{i}" for i in range(counts["completed"], 40)]
+    assert {line["error"]["code"] for line in expired} == {"batch_expired"}
+
+
+def one_model_config(config: HypnosConfig, staged: HypnosConfig) -> HypnosConfig:
+    """SmolLM2 and Qwen2.5-Coder-0.5B under a tier-1 budget that holds one of them only (as in
+    tests/integration/test_tiers.py), both on disk at the start; their weights where the
+    session's worker (`staged`) found them (this module's data_dir is a test's own)."""
+    models = [
+        m.model_copy(
+            update={"initial_tier": "tier3_nvme_ssd", "context_len": 2048, "weights_path": str(staged.weights_file(m))}
+        )
+        for m in staged.models[:2]
+    ]
+    hardware = config.hardware.model_copy(update={"simulated_vram_bytes": 900_000_000, "min_gpu_layer_ratio": 1.0})
+    return config.model_copy(update={"hardware": hardware, "models": models})
+
+
+async def test_a_batch_waits_for_the_room_a_leased_model_holds_and_never_evicts_it(api, settings, worker, use_worker):
+    tight = use_worker(Worker(one_model_config(settings.HYPNOS, worker.config)))
+    tight.start()
+    assert tight.wait_ready(60)
+    chat = {"model": SMOL, "messages": PARIS_MESSAGES, "max_tokens": 4}
+    first = await post_json(api, "/v1/chat/completions", chat, **bearer("sk-a"))
+    assert first.status_code == 200, first.content
+    tight.tiers.lease(SMOL, request=False)  # as if SMOL served a long interactive request
+    try:
+        lines = [chat_line(f"q{i}", "Say hello.", model=QWEN, max_tokens=2) for i in range(2)]
+        batch = (await create(api, await upload(api, lines), "/v1/chat/completions")).json()
+        # The first line holds Qwen's slot and waits in the worker: no 507, no eviction.
+        assert await wait_until(lambda: tight.models[QWEN].background_running == 1, timeout=60)
+        assert tight.tiers.entries[SMOL].tier == "tier1_gpu_vram"
+        assert tight.tiers.entries[QWEN].tier != "tier1_gpu_vram"
+        # Interactive traffic on the leased model goes on meanwhile.
+        answer = await post_json(api, "/v1/chat/completions", chat, **bearer("sk-a"))
+        assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
+        waiting = (await api.get(f"/v1/batches/{batch['id']}", headers=bearer("sk-a"))).json()
+        assert waiting["status"] == "in_progress" and waiting["request_counts"]["completed"] == 0
+    finally:
+        tight.tiers.release(SMOL, served=False)
+    done = await ended(api, batch["id"])
+    assert done["request_counts"] == {"total": 2, "completed": 2, "failed": 0}, done
+    output = await lines_of(api, done["output_file_id"])
+    assert output[0]["response"]["body"]["hypnos_telemetry"]["evicted_models"] == [SMOL]
+    assert tight.tiers.entries[QWEN].tier == "tier1_gpu_vram"

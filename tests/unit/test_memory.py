@@ -110,6 +110,21 @@ def test_a_leased_model_stays_and_the_newcomer_gets_507():
     assert [e.model for e in tm.plan_promotion("new", CTX).evictions] == ["serving"]
 
 
+def test_held_by_leases_names_the_leased_models_only_when_their_room_would_do():
+    tm = manager(tier1=200 * MB, min_gpu_layer_ratio=1.0)
+    resident(tm, "serving")
+    tm.register("new", "normal", FP)
+    big = Footprint(layer_bytes=(40 * MB,) * 10, other_bytes=20 * MB, kv_bytes_per_token=1000, workspace_bytes=0)
+    tm.register("too-big", "normal", big)
+    assert tm.held_by_leases("new", CTX) == []  # idle: evicting it is the plan, no wait
+    tm.lease("serving")
+    assert tm.held_by_leases("new", CTX) == ["serving"]
+    assert tm.held_by_leases("too-big", CTX) == []  # would not fit were it idle: the 507 stands
+    assert tm.entries["serving"].tier == MemoryTier.TIER1 and tm.leases("serving") == 1  # only a question
+    tm.release("serving")
+    assert tm.held_by_leases("new", CTX) == []
+
+
 def test_victims_go_to_disk_when_the_warm_budget_is_full():
     tm = manager(tier1=200 * MB, tier2=100 * MB)
     resident(tm, "old")

@@ -302,7 +302,7 @@ class FilesView(APIView):
             raise InvalidRequest("file is required: the file to upload, as a multipart part.", param="file")
         purpose = form.get("purpose")
         if not isinstance(purpose, str) or not purpose:
-            raise InvalidRequest("purpose is required (batch).", param="purpose")
+            raise InvalidRequest("purpose is required (batch or user_data).", param="purpose")
         stored = await sync_to_async(files.store_upload, thread_sensitive=False)(
             upload.chunks(),
             size=upload.size,

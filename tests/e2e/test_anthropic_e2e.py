@@ -13,7 +13,7 @@ import pytest
 from tests.e2e.conftest import Server, embedded_server
 
 pytestmark = pytest.mark.e2e
-MODEL, TOOL_MODEL = "smollm2-135m", "qwen2.5-coder-1.5b"
+MODEL, TOOL_MODEL = "smollm2-135m", "qwen2.5-coder-0.5b"
 SYSTEM = "You are a helpful assistant."
 PARIS = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 WEATHER = {

@@ -1,5 +1,6 @@
 """Tools, JSON schemas, logprobs, /v1/completions, /v1/responses and Lemonade's routes with real
-models (Qwen2.5-Coder-1.5B for tools and JSON, SmolLM2 for the rest) through the official SDK."""
+models (Qwen2.5-Coder-0.5B for tools and JSON; the 1.5B where the model must judge that no tool
+is needed, which the 0.5B gets wrong; SmolLM2 for the rest) through the official SDK."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tests.conftest import PARIS_MESSAGES
 from tests.e2e.conftest import Server
 
 pytestmark = pytest.mark.e2e
-TOOL_MODEL, SMALL = "qwen2.5-coder-1.5b", "smollm2-135m"
+TOOL_MODEL, JUDGING_MODEL, SMALL = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "smollm2-135m"
 WEATHER = {
     "type": "function",
     "function": {
@@ -69,7 +70,7 @@ def test_a_tool_call_and_its_follow_up_answer(client):
 
 def test_a_question_that_needs_no_tool_gets_an_answer(client):
     completion = client.chat.completions.create(
-        model=TOOL_MODEL,
+        model=JUDGING_MODEL,
         tools=[WEATHER, CURRENCY],
         temperature=0,
         max_tokens=40,

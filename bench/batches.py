@@ -3,7 +3,7 @@ bulk work does not come at the expense of interactive traffic.
 
 One deployment (default embedded) serving SmolLM2-135M with 2 slots; three scenarios, one after
 the other, each measuring `--runs` streamed interactive chats (TTFT, from the request to the
-first content chunk):
+first chunk that carries text; the role chunk before it comes before any inference):
 
 - ``idle``: nothing else runs;
 - ``batch``: a Batch API batch of `--lines` chat requests to the same model is running (its
@@ -15,7 +15,7 @@ first content chunk):
 The table gives the median and p90 TTFT of each and the ratio of its median to idle's, and how
 many of the bulk lines ended while the interactive chats were measured.
 
-    .venv/bin/python bench/batches.py [--runs 20] [--lines 200] [--deployment embedded]
+    .venv/bin/python bench/batches.py [--runs 20] [--lines 200] [--deployment embedded] [--fresh]
 """
 
 from __future__ import annotations
@@ -70,14 +70,32 @@ def bulk_request(i: int) -> dict[str, Any]:
     }
 
 
+# --fresh: every interactive chat a new conversation, its ~300-token system prompt opened by a
+# number of its own, so no slot holds its prefix and the whole prompt is evaluated (the usual
+# case of a new chat) rather than the one token of a repeated question.
+SYSTEM = " ".join(["You are a careful assistant who answers in one short sentence."] * 25)
+fresh_prompts = False
+asked = 0
+
+
+def interactive_messages() -> list[dict[str, str]]:
+    global asked
+    asked += 1
+    if not fresh_prompts:
+        return INTERACTIVE
+    return [{"role": "system", "content": f"Conversation {asked}. {SYSTEM}"}, *INTERACTIVE]
+
+
 def ttft_ms(client: httpx.Client) -> float:
-    body = {"model": MODEL, "messages": INTERACTIVE, "max_tokens": 16, "temperature": 0, "stream": True}
+    body = {"model": MODEL, "messages": interactive_messages(), "max_tokens": 16, "temperature": 0, "stream": True}
     started = time.perf_counter()
     with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         lines = response.iter_lines()
         for line in lines:
-            if line.startswith("data: {") and '"content"' in line:
+            # The first chunk carrying text: the role chunk before it (content "") comes before
+            # any inference.
+            if line.startswith("data: {") and json.loads(line[len("data: ") :])["choices"][0]["delta"].get("content"):
                 first = (time.perf_counter() - started) * 1000
                 for _ in lines:  # the rest of the answer, as a client reads it
                     pass
@@ -158,7 +176,10 @@ def main() -> int:
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--loop-clients", type=int, help="parallel clients of the client loop (default: --slots)")
     parser.add_argument("--deployment", choices=("embedded", "distributed"), default="embedded")
+    parser.add_argument("--fresh", action="store_true", help="each interactive chat a new ~300-token conversation")
     args = parser.parse_args()
+    global fresh_prompts
+    fresh_prompts = args.fresh
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="hypnos-bench-batches-") as tmp:
@@ -170,7 +191,8 @@ def main() -> int:
                 batch, batch_lines = with_batch(client, args.runs, args.lines)
                 loop, loop_lines = with_client_loop(client, args.runs, server.base_url, args.loop_clients or args.slots)
     base = statistics.median(idle)
-    print(f"\ninteractive TTFT, {args.deployment}, {MODEL}, {args.slots} slots, {args.runs} runs each")
+    prompts = "new ~300-token conversations" if args.fresh else "one repeated question (its prefix cached)"
+    print(f"\ninteractive TTFT, {args.deployment}, {MODEL}, {args.slots} slots, {args.runs} runs each, {prompts}")
     print(f"{'scenario':<14}{'median ms':>10}{'p90 ms':>10}{'x idle':>8}{'bulk lines':>12}")
     for name, samples, lines in (("idle", idle, 0), ("batch", batch, batch_lines), ("client loop", loop, loop_lines)):
         median = statistics.median(samples)

@@ -86,6 +86,9 @@ class ChatWork(GenerateWork):
 
     # Set by prepare_chat in the worker, never sent by the web process.
     prepared: InstanceOf[PreparedPrompt] | None = None
+    # Set by the worker from the request's x-hypnos-priority: background (a batch's line): its
+    # decode steps give way to an interactive request's prompt (llama_slots.SlotScheduler).
+    background: bool = False
 
     @classmethod
     def of(cls, work: GenerateWork) -> ChatWork:

@@ -374,6 +374,7 @@ class LlamaEngine(Engine):
                 cancel=cancel,
                 emit=emit,
                 reuse_prefix=work.seed is None,
+                background=work.background,
             )
             return self._scheduler.run(job)
         if work.seed is not None and not work.images:
@@ -444,6 +445,7 @@ class LlamaEngine(Engine):
                         cancel=leg,
                         emit=emit,
                         reuse_prefix=work.seed is None,
+                        background=work.background,
                     )
                 )
             )

@@ -61,6 +61,9 @@ class SlotJob:
     emit: Callable[[str, int, int], None]
     # A seeded run re-evaluates its whole prompt: a reused prefix's tail rounds differently.
     reuse_prefix: bool = True
+    # A batch's line (x-hypnos-priority: background): it sits out the steps in which an
+    # interactive job has yet to give its first token (bench/batches.py).
+    background: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     result: ChatResult | None = None
     error: BaseException | None = None
@@ -259,12 +262,17 @@ class SlotScheduler:
         batch, room = self.batch.batch, BATCH_TOKENS
         batch.n_tokens = 0
         sampling: list[tuple[_Slot, int]] = []
+        active = self._active()
+        # Background jobs wait while an interactive one has yet to give its first token.
+        yielding = any(s.job is not None and not s.job.background and s.job.first_at is None for s in active)
         # Generating slots first (one token each), then prompt chunks.
-        for slot in sorted(self._active(), key=lambda s: len(s.job.pending) > 1):  # type: ignore[union-attr]
+        for slot in sorted(active, key=lambda s: len(s.job.pending) > 1):  # type: ignore[union-attr]
             job = slot.job
             assert job is not None
             if job.cancel.is_set():
                 self._finish(slot, job, "cancelled")
+                continue
+            if yielding and job.background:
                 continue
             take = job.pending[:room]
             if not take:

@@ -323,6 +323,8 @@ class Worker:
                         param="model",
                     )
                 work = ChatWork.of(request.work)
+                if request.background:
+                    work = work.model_copy(update={"background": True})
                 self._check_capabilities(runtime, work)
             estimate = self._admit(runtime, request.deadline_ms or self._implicit_deadline_ms())
         except PoolChanging as changing:

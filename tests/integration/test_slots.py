@@ -127,3 +127,67 @@ async def test_a_single_stream_after_concurrent_ones_runs_on_a_compacted_kv(api,
         assert any(topic in text.lower() for topic in topics), text
     # Each ran alone, so each left only its own sequence in the KV.
     assert [slot.stash is None for slot in scheduler.slots].count(True) == 1
+
+
+async def test_a_background_job_gives_way_while_an_interactive_prompt_is_evaluated(api, three_slots):
+    """A batch's line (SlotJob.background) decoding on one slot sits out the steps of an
+    interactive job's prompt: from the interactive job's arrival to its first token the
+    background job adds at most the token of the step already in flight, where sharing the
+    steps it would add one per prompt chunk (a 1,500-token prompt: three chunks, four tokens)."""
+    import threading
+
+    from inference.engines.llama_slots import BATCH_TOKENS, SlotJob
+    from inference.engines.text import StopMatcher
+
+    assert (await post_json(api, URL, request(PROMPTS[0], max_tokens=1))).status_code == 200  # in tier 1
+    scheduler = three_slots.models[SMOL].engine._scheduler  # type: ignore[union-attr]
+    llm = scheduler.llm
+    background_tokens: list[int] = []
+    at_arrival: list[int] = []
+    at_first_token: list[int] = []
+    background_started = threading.Event()
+
+    def job(tokens: list[int], max_tokens: int, background: bool, emit) -> SlotJob:  # type: ignore[no-untyped-def]
+        return SlotJob(
+            tokens=tokens,
+            sampler=llm._init_sampler(temp=0.0),
+            stops=StopMatcher([]),
+            max_tokens=max_tokens,
+            cancel=threading.Event(),
+            emit=emit,
+            background=background,
+        )
+
+    def on_background(text: str, token: int, index: int) -> None:
+        background_tokens.append(token)
+        background_started.set()
+
+    def on_interactive(text: str, token: int, index: int) -> None:
+        if not at_first_token:
+            at_first_token.append(len(background_tokens))
+
+    story = llm.tokenize(
+        b"<|im_start|>user\nWrite a very long story about a dragon and a knight.<|im_end|>\n<|im_start|>assistant\n",
+        special=True,
+    )
+    bulk = job(story, 400, True, on_background)
+    runner = threading.Thread(target=scheduler.run, args=(bulk,), daemon=True)
+    runner.start()
+    try:
+        assert await asyncio.to_thread(background_started.wait, 60), (bulk.error, bulk.result)
+        prompt = llm.tokenize(b" cat" * (3 * BATCH_TOKENS - 36))
+        assert 2 * BATCH_TOKENS < len(prompt) <= 3 * BATCH_TOKENS
+        interactive = job(prompt, 2, False, on_interactive)
+        # Queued as SlotScheduler.run queues it, the background job's count taken under the same
+        # lock: only the step in flight can add a token before the next admission.
+        with scheduler.cond:
+            at_arrival.append(len(background_tokens))
+            scheduler.queue.append(interactive)
+            scheduler.cond.notify()
+        assert await asyncio.to_thread(interactive.done.wait, 120)
+        assert interactive.error is None and interactive.result is not None and at_first_token
+        assert not bulk.done.is_set(), "the background job must still be running to be measured"
+        assert at_first_token[0] - at_arrival[0] <= 1, (at_arrival, at_first_token)
+    finally:
+        bulk.cancel.set()
+        await asyncio.to_thread(runner.join, 60)

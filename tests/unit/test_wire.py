@@ -143,10 +143,12 @@ def test_the_engines_chat_work_is_the_wires_with_what_the_engine_prepared():
 
     work = ChatWork.of(wire.GenerateWork(messages=[], max_tokens=3, raw_prompt="Once", prompt_param="prompt"))
     assert isinstance(work, ChatWork) and work.raw_prompt == "Once" and work.prompt_param == "prompt"
-    # The fields are GenerateWork's (written once), plus the engine's own.
-    assert set(ChatWork.model_fields) - set(wire.GenerateWork.model_fields) == {"prepared"}
+    # The fields are GenerateWork's (written once), plus the worker's own: what the engine
+    # prepared, and the request's background priority (EngineRequest.background, set once).
+    assert set(ChatWork.model_fields) - set(wire.GenerateWork.model_fields) == {"prepared", "background"}
     prepared = work.model_copy(update={"prepared": PreparedPrompt([1, 2], None)})
     assert prepared.prepared is not None and prepared.prepared.tokens == [1, 2] and work.prepared is None
+    assert work.background is False
 
 
 def test_a_control_op_takes_only_its_own_typed_args():

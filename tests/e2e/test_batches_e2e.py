@@ -30,45 +30,34 @@ def sdk(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+def batch_lines(prefix: str, url: str, bodies: list[dict[str, object]]) -> list[dict[str, object]]:
+    """A batch input file's lines: one request to `url` per body, custom_id `<prefix>-<i>`."""
+    return [{"custom_id": f"{prefix}-{i}", "method": "POST", "url": url, "body": body} for i, body in enumerate(bodies)]
+
+
 def requests() -> list[dict[str, object]]:
-    return [
+    bodies = [
         {
-            "custom_id": f"line-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": f"Write one sentence about the number {i}."}],
-                "max_tokens": 24,
-                "temperature": 0,
-            },
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"Write one sentence about the number {i}."}],
+            "max_tokens": 24,
+            "temperature": 0,
         }
         for i in range(LINES)
     ]
+    return batch_lines("line", "/v1/chat/completions", bodies)
 
 
 def short_chats() -> list[dict[str, object]]:
-    return [
-        {
-            "custom_id": f"chat-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {"model": MODEL, "messages": [{"role": "user", "content": f"Say one word. {i}"}], "max_tokens": 1},
-        }
+    bodies = [
+        {"model": MODEL, "messages": [{"role": "user", "content": f"Say one word. {i}"}], "max_tokens": 1}
         for i in range(CHAT_LINES)
     ]
+    return batch_lines("chat", "/v1/chat/completions", bodies)
 
 
 def embeddings() -> list[dict[str, object]]:
-    return [
-        {
-            "custom_id": f"embed-{i}",
-            "method": "POST",
-            "url": "/v1/embeddings",
-            "body": {"model": EMBED, "input": f"text {i}"},
-        }
-        for i in range(EMBED_LINES)
-    ]
+    return batch_lines("embed", "/v1/embeddings", [{"model": EMBED, "input": f"text {i}"} for i in range(EMBED_LINES)])
 
 
 def submit(client: openai.OpenAI, source: Path, lines: list[dict[str, object]]) -> str:

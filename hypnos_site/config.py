@@ -111,6 +111,9 @@ class ServerConfig(_Strict):
     # the request is a 503 (distributed; the job is revoked), and how many jobs one Celery
     # worker process runs at once (`./run.sh jobs`).
     job_pickup_timeout_secs: float = Field(default=30.0, gt=0)
+    # A running job sends a heartbeat every second; the request following it gives up (503, the
+    # job marked failed) after this long without a word: its Celery worker died (inference/jobs/feed.py).
+    job_silence_secs: float = Field(default=10.0, ge=3.0)
     job_concurrency: int = Field(default=4, ge=1)
     metrics_require_auth: bool = False
     # The workload this server is tuned for (spec §14 `profile`); with limits.overload = "shed"

@@ -10,7 +10,7 @@ silent gap):
   process-local channel (LocalChannels) that hands events to the request's event loop.
 
 A running job sends a heartbeat every HEARTBEAT_SECS; a feed that hears nothing for
-JOB_SILENCE_SECS (the Celery worker was killed, the task crashed hard) ends with JobLost (503)
+server.job_silence_secs (the Celery worker was killed, the task crashed hard) ends with JobLost (503)
 instead of hanging, and the web process marks the job failed. A job that no Celery worker takes
 within server.job_pickup_timeout_secs is revoked and the request is a 503. The client leaving
 marks the job cancelled in the database; the task watches that flag (CANCEL_POLL_SECS) and stops
@@ -39,7 +39,6 @@ from logs.record import CallRecord
 log = logging.getLogger(__name__)
 
 HEARTBEAT_SECS = 1.0
-JOB_SILENCE_SECS = 10.0
 CANCEL_POLL_SECS = 0.25
 NO_JOB_WORKER = (
     "No job worker took the conversion within {secs:g} s (server.job_pickup_timeout_secs); "
@@ -111,9 +110,10 @@ class JobFeed:
 
     async def next_event(self) -> Any:
         """The job's next event; its first must come within the pickup timeout, the others
-        within JOB_SILENCE_SECS of the last message. An Error event raises its exception."""
+        within server.job_silence_secs of the last message. An Error event raises its exception."""
         while True:
-            wait = JOB_SILENCE_SECS if self.started else settings.HYPNOS.server.job_pickup_timeout_secs
+            server = settings.HYPNOS.server
+            wait = server.job_silence_secs if self.started else server.job_pickup_timeout_secs
             try:
                 message = await within(self.layer.receive(self.channel), wait)
             except TimeoutError:

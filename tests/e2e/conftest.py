@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,6 +30,11 @@ from tests.e2e.playground import artifacts as artifacts  # the browser tests' sc
 REDIS_URL = os.environ.get("HYPNOS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 POSTGRES_ADMIN_URL = os.environ.get("HYPNOS_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 START_TIMEOUT_SECS = 120
+# server.job_silence_secs of the e2e servers: a job whose heartbeats (every second) stop for this
+# long fails its request (the default is 10 s; the Celery worker-death test waits it out).
+SILENCE_SECS = 4.0
+# The embedded deployment's database, in its data directory (hypnos_site/settings.py).
+SQLITE_NAME = "hypnos.sqlite3"
 
 
 def require_service(name: str, probe) -> None:  # type: ignore[no-untyped-def]
@@ -127,6 +133,7 @@ initial_tier = "tier3_nvme_ssd"
         f"""
 [server]
 worker_ack_timeout_secs = {ack_timeout_secs}
+job_silence_secs = {SILENCE_SECS}
 
 [hardware]
 # Warm copies (tier 2) of at most 512 MiB a server and 3 GiB of (simulated) tier 1: the tool
@@ -227,6 +234,21 @@ class Proc:
                 self.popen.wait()
 
 
+def stop_all(procs: list[Proc], grace: float = 10) -> None:
+    """Proc.stop for several at once: all are sent SIGTERM together and waited for (each exits on
+    its own clock; stopped one by one, a deployment's teardown cost the sum of theirs)."""
+    running = [proc for proc in procs if proc.popen.poll() is None]
+    for proc in running:
+        proc.popen.terminate()
+    deadline = time.monotonic() + grace
+    for proc in running:
+        try:
+            proc.popen.wait(max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait()
+
+
 def start(name: str, args: list[str], env: dict[str, str], log_dir: Path) -> Proc:
     log = log_dir / f"{name}.log"
     popen = subprocess.Popen(
@@ -241,6 +263,32 @@ def run_manage(args: list[str], env: dict[str, str]) -> str:
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+_MIGRATED: set[str] = set()
+_SQLITE_TEMPLATE = tempfile.TemporaryDirectory(prefix="hypnos-migrated-")
+
+
+def migrate(env: dict[str, str]) -> None:
+    """The database of a server about to start on `env`, migrated as `./run.sh` migrates it
+    before serving, at the cost of one `manage.py migrate` a run (2 s each): a PostgreSQL
+    database (HYPNOS_DATABASE_URL) is migrated the first time a server of this run uses it; an
+    embedded server's SQLite file (in HYPNOS_DATA_DIR) is a copy of one migrated once."""
+    url = env.get("HYPNOS_DATABASE_URL")
+    if url:
+        if url not in _MIGRATED:
+            run_manage(["migrate", "--no-input", "-v0"], env)
+            _MIGRATED.add(url)
+        return
+    template = Path(_SQLITE_TEMPLATE.name)
+    if not (template / SQLITE_NAME).exists():
+        run_manage(["migrate", "--no-input", "-v0"], {**env, "HYPNOS_DATA_DIR": str(template)})
+    data_dir = Path(env["HYPNOS_DATA_DIR"])
+    data_dir.mkdir(parents=True, exist_ok=True)
+    # The migrating process closed its connection, so the WAL is checkpointed into the file;
+    # its -wal and -shm files are copied too where SQLite kept them.
+    for part in template.glob(SQLITE_NAME + "*"):
+        shutil.copyfile(part, data_dir / part.name)
 
 
 def wait_ready(base_url: str, *procs: Proc) -> None:
@@ -304,7 +352,7 @@ def distributed_cluster(directory: Path, redis_url: str, postgres_url: str) -> I
         HYPNOS_CHANNEL_PREFIX="hypnos-e2e-" + uuid.uuid4().hex[:8],
         HYPNOS_PORT=str(port),
     )
-    run_manage(["migrate", "--no-input", "-v0"], env)
+    migrate(env)
     worker = start("runinference", ["manage.py", "runinference"], env, directory)
     web = start("daphne", ["-m", "hypnos_site.serve"], env, directory)
     other_port = free_port()
@@ -317,8 +365,7 @@ def distributed_cluster(directory: Path, redis_url: str, postgres_url: str) -> I
         procs.append(start_celery(env, directory))
         yield server
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        stop_all(procs)
 
 
 @contextmanager
@@ -329,7 +376,7 @@ def embedded_server(name: str, directory: Path, edit: Callable[[str], str] = lam
     config.write_text(edit(config.read_text()))
     port = free_port()
     env = base_env(config, directory, HYPNOS_PORT=str(port))
-    run_manage(["migrate", "--no-input", "-v0"], env)
+    migrate(env)
     web = start(f"daphne-{name}", ["-m", "hypnos_site.serve"], env, directory)
     server = Server(f"http://127.0.0.1:{port}", env, [web])
     try:
@@ -340,12 +387,12 @@ def embedded_server(name: str, directory: Path, edit: Callable[[str], str] = lam
 
 
 class SharedServers:
-    """The two servers many modules share (`embedded`, `distributed`): each is started by the
+    """The servers several modules share (`embedded`, `keyed`, `distributed`): each is started by the
     first test that asks for it and stopped right after the last test of the run that does,
     instead of at the session's end, so the models it loaded do not stay in memory through the
     modules that follow (pytest_collection_modifyitems finds that last test)."""
 
-    NAMES = ("embedded", "distributed")
+    NAMES = ("embedded", "keyed", "distributed")
 
     def __init__(self) -> None:
         self.running: dict[str, tuple[Server, ExitStack]] = {}
@@ -385,16 +432,17 @@ SHARED = SharedServers()
 
 
 def _server_group(item: pytest.Item) -> int:
-    """0: the test uses the embedded server, 1: neither shared server, 2: the distributed one."""
+    """0: the test uses the embedded server, 1: the keyed one, 2: no shared server, 3: the
+    distributed one."""
     uses = SharedServers.uses(item)
-    return 0 if "embedded" in uses else 2 if "distributed" in uses else 1
+    return 0 if "embedded" in uses else 1 if "keyed" in uses else 3 if "distributed" in uses else 2
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-django has put the tests in their running order
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # The end-to-end tests run in three groups, each in its modules' order: those of the embedded
-    # server, those of neither, those of the distributed deployment. So the two shared servers
-    # never run at once (a module whose tests take either one, `server`'s parameter, is split
+    # The end-to-end tests run in four groups, each in its modules' order: those of the embedded
+    # server, of the keyed one, of none, of the distributed deployment. So no two shared servers
+    # run at once (a module whose tests take either one, `server`'s parameter, is split
     # across the groups), which keeps the suite's peak memory to one of them.
     e2e = [i for i, item in enumerate(items) if item.nodeid.startswith("tests/e2e/")]
     if e2e:
@@ -435,6 +483,23 @@ def embedded(tmp_path_factory) -> Server:
     """The shared embedded server, `python -m hypnos_site.serve` alone: SQLite, in-process
     worker, no services (SharedServers)."""
     return SHARED.get("embedded", lambda: embedded_server("embedded", tmp_path_factory.mktemp("embedded")))
+
+
+# The keyed server's keys: an admin key and a plain one (label "plain").
+KEYED_ADMIN, KEYED_PLAIN = "sk-live-admin", "sk-live-plain"
+KEYED_TOML = f'[server]\napi_keys = ["{KEYED_ADMIN}"]\nkeys = [{{ key = "{KEYED_PLAIN}", label = "plain" }}]\n'
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory) -> Server:
+    """The shared embedded server with API keys (KEYED_ADMIN, KEYED_PLAIN): SQLite, in-process
+    worker (SharedServers)."""
+    return SHARED.get(
+        "keyed",
+        lambda: embedded_server(
+            "keyed", tmp_path_factory.mktemp("keyed"), lambda text: text.replace("[server]\n", KEYED_TOML, 1)
+        ),
+    )
 
 
 @pytest.fixture(params=["embedded", "distributed"])

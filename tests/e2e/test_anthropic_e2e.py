@@ -5,12 +5,11 @@ and the SDK's own error classes from Anthropic's error envelope."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import anthropic
 import pytest
 
-from tests.e2e.conftest import Server, embedded_server
+from tests.e2e.conftest import KEYED_PLAIN, Server
 
 pytestmark = pytest.mark.e2e
 MODEL, TOOL_MODEL = "smollm2-135m", "qwen2.5-coder-0.5b"
@@ -22,7 +21,6 @@ WEATHER = {
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
 ASK_WEATHER = [{"role": "user", "content": "What's the weather in Paris?"}]
-KEY = "sk-anthropic-live"
 # The SDK's Messages.create takes no sampling fields any more; the API still reads them, as this
 # server does, so they travel as extra_body (greedy decoding: answers the tests can compare).
 GREEDY = {"temperature": 0}
@@ -145,17 +143,9 @@ def test_refusals_raise_the_sdks_own_errors_streamed_or_not(server):
     assert "temperature" in bad.value.body["error"]["message"]
 
 
-@pytest.fixture(scope="module")
-def keyed(tmp_path_factory) -> Iterator[Server]:
-    keys = f'[server]\napi_keys = ["{KEY}"]\n'
-    with embedded_server(
-        "anthropic-keyed", tmp_path_factory.mktemp("anthropic-keyed"), lambda text: text.replace("[server]\n", keys, 1)
-    ) as server:
-        yield server
-
-
 def test_the_sdks_x_api_key_authenticates_and_a_wrong_one_is_its_authentication_error(keyed):
-    message = sdk(keyed, KEY).messages.create(model=MODEL, max_tokens=2, messages=PARIS)
+    """On the suite's shared server with keys (`keyed`): a plain key passes as x-api-key."""
+    message = sdk(keyed, KEYED_PLAIN).messages.create(model=MODEL, max_tokens=2, messages=PARIS)
     assert message.usage.output_tokens == 2
     with pytest.raises(anthropic.AuthenticationError) as caught:
         sdk(keyed, "sk-wrong").messages.create(model=MODEL, max_tokens=2, messages=PARIS)

@@ -14,7 +14,7 @@ import pytest
 
 from hypnos_site.config import BASE_DIR
 from tests.conftest import PARIS_MESSAGES
-from tests.e2e.conftest import Server, base_env, free_port, run_manage, start, wait_ready, write_config
+from tests.e2e.conftest import Server, base_env, free_port, migrate, run_manage, start, wait_ready, write_config
 
 pytestmark = pytest.mark.e2e
 ENGINE_MODULES = [
@@ -75,7 +75,7 @@ def test_without_a_worker_requests_get_a_503_in_bounded_time(tmp_path, redis_url
     )
     # Its own migration: the session's database is not migrated before the first server that
     # needs it (this test once passed only because the shared deployment had run before it).
-    run_manage(["migrate", "--no-input", "-v0"], env)
+    migrate(env)
     web = start("daphne-alone", ["-m", "hypnos_site.serve"], env, tmp_path)
     base_url = f"http://127.0.0.1:{port}"
     try:

@@ -1,31 +1,22 @@
 """Issue 12, authorisation over real sockets: daphne (embedded deployment, SQLite) with an admin
 key and a plain one. The realtime socket's close code is daphne's and autobahn's business, which
-channels' in-process communicator never reaches; a disconnect is a closed TCP connection."""
+channels' in-process communicator never reaches; a disconnect is a closed TCP connection. The
+server is the suite's shared `keyed` one (tests/e2e/conftest.py)."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from tests.e2e.conftest import Server, embedded_server
+from tests.e2e.conftest import KEYED_PLAIN as PLAIN
+from tests.e2e.conftest import Server
 
 pytestmark = pytest.mark.e2e
-ADMIN, PLAIN = "sk-live-admin", "sk-live-plain"
-KEYS_TOML = f'[server]\napi_keys = ["{ADMIN}"]\nkeys = [{{ key = "{PLAIN}", label = "plain" }}]\n'
-
-
-@pytest.fixture(scope="module")
-def keyed(tmp_path_factory) -> Iterator[Server]:
-    with embedded_server(
-        "keyed", tmp_path_factory.mktemp("keyed"), lambda text: text.replace("[server]\n", KEYS_TOML, 1)
-    ) as server:
-        yield server
 
 
 def bearer(key: str) -> dict[str, str]:

@@ -34,7 +34,7 @@ from hypnos_site.hard_stop import CUT_EXIT_CODE
 from inference.transport.client import ChannelLayerTransport, InferenceClient
 from inference.transport.cluster import ANNOUNCE_SECS, ANNOUNCE_TTL_SECS
 from tests.conftest import PARIS_MESSAGES
-from tests.e2e.conftest import Proc, base_env, free_port, run_manage, start, start_redis, wait_ready, write_config
+from tests.e2e.conftest import Proc, base_env, free_port, migrate, start, start_redis, wait_ready, write_config
 
 pytestmark = pytest.mark.e2e
 ACK_TIMEOUT_SECS = 2.0
@@ -105,7 +105,7 @@ def deployment(tmp_path_factory, postgres_url: str) -> Iterator[Deployment]:
         HYPNOS_PORT=str(port),
         HYPNOS_FAULT_INJECTION="1",
     )
-    run_manage(["migrate", "--no-input", "-v0"], env)
+    migrate(env)
     worker = start("runinference-supervised", ["manage.py", "runinference"], env, directory)
     web = start("daphne-faults", ["-m", "hypnos_site.serve"], env, directory)
     found = Deployment(f"http://127.0.0.1:{port}", env, redis_port, redis_server, worker, web, directory)

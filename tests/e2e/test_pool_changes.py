@@ -11,7 +11,7 @@ import pytest
 
 from hypnos_site.config import BASE_DIR, load_config
 from tests.conftest import PARIS_MESSAGES
-from tests.e2e.conftest import Proc, base_env, free_port, run_manage, start, wait_ready, write_config
+from tests.e2e.conftest import Proc, base_env, free_port, migrate, start, stop_all, wait_ready, write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -49,7 +49,7 @@ def test_a_model_added_through_one_web_process_is_served_everywhere_and_survives
         HYPNOS_CHANNEL_PREFIX="hypnos-pool-" + uuid.uuid4().hex[:8],
         HYPNOS_MODELS_DIR=str(suite.models_dir),
     )
-    run_manage(["migrate", "--no-input", "-v0"], env)
+    migrate(env)
     procs = start_servers(env, ports, tmp_path, 1)
     try:
         # Both web processes have listed the pool before the change.
@@ -60,8 +60,7 @@ def test_a_model_added_through_one_web_process_is_served_everywhere_and_survives
         assert added.json()["persisted"] is True
         assert ask(ports[1], QWEN)  # the other web process routes it at once
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        stop_all(procs)
     procs = start_servers(env, ports, tmp_path, 2)
     try:
         listed = [m["id"] for m in httpx.get(f"http://127.0.0.1:{ports[1]}/v1/models").json()["data"]]
@@ -74,5 +73,4 @@ def test_a_model_added_through_one_web_process_is_served_everywhere_and_survives
         )
         assert gone.status_code == 404 and gone.json()["error"]["type"] == "model_not_found"
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        stop_all(procs)

@@ -30,6 +30,7 @@ from tests.e2e.conftest import (
     free_port,
     run_manage,
     start,
+    stop_all,
     wait_ready,
     write_config,
 )
@@ -139,8 +140,7 @@ def pair(tmp_path_factory, redis_url: str, postgres_url: str) -> Iterator[Pair]:
             wait_ready(url, *procs)
         yield Pair(urls, procs)
     finally:
-        for proc in reversed(procs):
-            proc.stop()
+        stop_all(procs)
         _drop_database(database)
         client = redis.Redis.from_url(redis_url)
         for key in client.scan_iter(f"{prefix}:*"):

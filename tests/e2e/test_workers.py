@@ -35,7 +35,7 @@ from hypnos_site.config import BASE_DIR, load_config
 from inference.transport.cluster import ANNOUNCE_SECS, ANNOUNCE_TTL_SECS, DIRECTORY_TTL_SECS
 from inference.transport.wire import WorkerAnnouncement
 from tests.conftest import PARIS_MESSAGES
-from tests.e2e.conftest import Proc, base_env, free_port, run_manage, start, start_redis, wait_ready
+from tests.e2e.conftest import Proc, base_env, free_port, migrate, start, start_redis, stop_all, wait_ready
 
 pytestmark = pytest.mark.e2e
 CHAT = "/v1/chat/completions"
@@ -177,7 +177,7 @@ def cluster(tmp_path_factory, postgres_url: str) -> Iterator[Cluster]:
         HYPNOS_CHANNEL_PREFIX="hypnos-workers-" + uuid.uuid4().hex[:8],
         HYPNOS_PORT=str(port),
     )
-    run_manage(["migrate", "--no-input", "-v0"], env)
+    migrate(env)
     web = start("daphne", ["-m", "hypnos_site.serve"], env, directory)
     cluster = Cluster(f"http://127.0.0.1:{port}", env, web, {}, directory, redis_port, redis_server)
     try:
@@ -187,8 +187,7 @@ def cluster(tmp_path_factory, postgres_url: str) -> Iterator[Cluster]:
         cluster.wait_workers({"gpu-a", "gpu-b"})
         yield cluster
     finally:
-        for proc in [*cluster.workers.values(), web]:
-            proc.stop()
+        stop_all([*cluster.workers.values(), web])
         cluster.redis.kill()
         cluster.redis.wait()
 

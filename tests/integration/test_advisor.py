@@ -17,7 +17,7 @@ from memory.device import probe_device
 from memory.planner import footprint_from_gguf
 from models_registry.catalog import load_catalog
 from models_registry.machine import GIB
-from tests.e2e.conftest import base_env, free_port, run_manage, start, wait_ready
+from tests.e2e.conftest import base_env, free_port, migrate, start, wait_ready
 from tests.integration.conftest import post_json
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -139,7 +139,7 @@ async def test_the_generated_config_starts_the_server_with_the_advised_models(ap
         f'models_dir = "{settings.HYPNOS.models_dir}"\n'
     )
     env = base_env(config, tmp_path)
-    run_manage(["migrate", "--no-input", "-v0"], env)
+    migrate(env)
     server = start("advised", ["-m", "hypnos_site.serve"], env, tmp_path)
     base_url = f"http://127.0.0.1:{port}"
     try:

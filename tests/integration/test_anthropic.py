@@ -457,10 +457,11 @@ async def test_a_model_without_a_thinking_format_ignores_thinking(api, thinker):
 
 
 @pytest.fixture
-def coder(settings, serve) -> Worker:
-    """SmolLM2 and Qwen2.5-Coder-0.5B, whose template has a tool-call format."""
+def coder(settings, serve_shared) -> Worker:
+    """SmolLM2 and Qwen2.5-Coder-0.5B, whose template has a tool-call format: the tool tests
+    share it, so the 0.5B is loaded once for them."""
     models = [m for m in settings.HYPNOS.models if m.id in (SMOL, CODER)]
-    return serve(settings.HYPNOS.model_copy(update={"models": models}))
+    return serve_shared(settings.HYPNOS.model_copy(update={"models": models}))
 
 
 def tool_ask(**extra: Any) -> dict[str, Any]:

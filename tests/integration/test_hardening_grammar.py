@@ -35,17 +35,18 @@ TOO_LONG = "hello " * 9500
 
 
 @pytest.fixture
-def smol(settings, serve) -> Worker:
-    """A worker serving only SmolLM2 (as configured), with the views routed to it."""
+def smol(settings, serve_shared) -> Worker:
+    """A worker serving only SmolLM2 (as configured), with the views routed to it: the module's
+    tests share it (a refused schema or a checked answer leaves it as it was)."""
     model = next(m for m in settings.HYPNOS.models if m.id == SMOL)
-    return serve(settings.HYPNOS.model_copy(update={"models": [model]}))
+    return serve_shared(settings.HYPNOS.model_copy(update={"models": [model]}))
 
 
 @pytest.fixture
-def coder(settings, serve) -> Worker:
-    """SmolLM2 and Qwen2.5-Coder-0.5B, whose template has a tool-call format."""
+def coder(settings, serve_shared) -> Worker:
+    """SmolLM2 and Qwen2.5-Coder-0.5B, whose template has a tool-call format (shared too)."""
     models = [m for m in settings.HYPNOS.models if m.id in (SMOL, CODER)]
-    return serve(settings.HYPNOS.model_copy(update={"models": models}))
+    return serve_shared(settings.HYPNOS.model_copy(update={"models": models}))
 
 
 def schema_format(schema: dict[str, Any]) -> dict[str, Any]:

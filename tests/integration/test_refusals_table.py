@@ -57,8 +57,9 @@ def lineup(config: HypnosConfig, **hardware: Any) -> HypnosConfig:
 
 
 @pytest.fixture
-def table_worker(settings, serve) -> Iterator[Worker]:
-    yield serve(lineup(settings.HYPNOS))
+def table_worker(settings, serve_shared) -> Iterator[Worker]:
+    """The lineup's worker, shared by the module's tests: a refusal leaves it as it was."""
+    yield serve_shared(lineup(settings.HYPNOS))
 
 
 def request_for(route: str, refusal: str, worker: Worker) -> tuple[dict[str, Any], str | None]:

@@ -129,8 +129,10 @@ async def test_a_job_nobody_takes_is_a_503_not_a_hang(settings):
     feed.close()
 
 
-async def test_a_started_job_that_falls_silent_ends_with_an_error(monkeypatch):
-    monkeypatch.setattr(jobs, "JOB_SILENCE_SECS", 0.2)
+async def test_a_started_job_that_falls_silent_ends_with_an_error(settings):
+    settings.HYPNOS = settings.HYPNOS.model_copy(
+        update={"server": settings.HYPNOS.server.model_copy(update={"job_silence_secs": 0.2})}
+    )
     feed = await jobs.JobFeed.open()
     await jobs.local_channels.send(feed.channel, _message(0, Heartbeat()))
     with pytest.raises(ModelNotAvailable, match="stopped reporting"):

@@ -30,7 +30,9 @@ def tiny(tmp_path_factory) -> TinyDiffusionModel:
 
 
 @pytest.fixture
-def flux(settings, serve, tiny) -> Worker:
+def flux(settings, serve_shared, tiny) -> Worker:
+    """SmolLM2 and the tiny FLUX.2 model, on a worker the module's tests share (each leaves no
+    lease behind), so the diffusion model is loaded once for them."""
     model = ModelConfig(
         id=FLUX,
         modality="image_generation",
@@ -40,7 +42,7 @@ def flux(settings, serve, tiny) -> Worker:
         image=ImageConfig(steps=2, cfg_scale=1.0, edit=True, text_encoders={"llm": str(tiny.text_encoder)}),
     )
     chat = next(m for m in settings.HYPNOS.models if m.id == "smollm2-135m")
-    return serve(settings.HYPNOS.model_copy(update={"models": [chat, model]}))
+    return serve_shared(settings.HYPNOS.model_copy(update={"models": [chat, model]}))
 
 
 def png(item: dict) -> Image.Image:

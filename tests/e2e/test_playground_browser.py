@@ -20,7 +20,7 @@ from tests.e2e.playground import SLOW_MS, browser_page, open_panel, screenshot, 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 CHAT_MODEL = "smollm2-135m"
-TOOL_MODEL = "qwen2.5-coder-1.5b"
+TOOL_MODEL = "qwen2.5-coder-0.5b"  # the tool tests' model (tests/e2e/test_chat_features.py)
 ENTITY_MODEL = "qwen2.5-coder-0.5b"
 KEY = "pg-browser-test-key"
 WEATHER = {

@@ -40,7 +40,7 @@ def requests() -> list[dict[str, object]]:
         {
             "model": MODEL,
             "messages": [{"role": "user", "content": f"Write one sentence about the number {i}."}],
-            "max_tokens": 24,
+            "max_tokens": 8,
             "temperature": 0,
         }
         for i in range(LINES)

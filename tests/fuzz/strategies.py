@@ -259,7 +259,12 @@ class FetchTrap:
         with self._lock:
             if self._server is None:
                 self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-                threading.Thread(target=self._server.serve_forever, name="fuzz-fetch-trap", daemon=True).start()
+                threading.Thread(
+                    target=self._server.serve_forever,
+                    kwargs={"poll_interval": 0.05},
+                    name="fuzz-fetch-trap",
+                    daemon=True,
+                ).start()
             return int(self._server.server_address[1])
 
     def take(self) -> list[str]:

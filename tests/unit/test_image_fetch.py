@@ -93,7 +93,7 @@ class _Handler(BaseHTTPRequestHandler):
 def _serve(host: str, routes: dict[str, tuple[int, dict[str, str], bytes]]) -> Iterator[str]:
     handler = type("Handler", (_Handler,), {"routes": routes})
     server = ThreadingHTTPServer((host, 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
         yield f"http://{host}:{server.server_address[1]}"

@@ -225,18 +225,12 @@ class Proc:
 
     def stop(self, grace: float = 10) -> None:
         """SIGTERM, then SIGKILL after `grace` seconds."""
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        stop_all([self], grace)
 
 
 def stop_all(procs: list[Proc], grace: float = 10) -> None:
-    """Proc.stop for several at once: all are sent SIGTERM together and waited for (each exits on
-    its own clock; stopped one by one, a deployment's teardown cost the sum of theirs)."""
+    """SIGTERM to every process still running, then SIGKILL to any still there `grace` seconds
+    later: all together (stopped one by one, a deployment's teardown cost the sum of theirs)."""
     running = [proc for proc in procs if proc.popen.poll() is None]
     for proc in running:
         proc.popen.terminate()

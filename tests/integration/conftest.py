@@ -86,15 +86,20 @@ def use_worker() -> Iterator[Any]:
             worker.shutdown()
 
 
+def staged(worker: Worker) -> Worker:
+    """The worker started, its startup staging done."""
+    worker.start()
+    assert worker.wait_ready(60), "startup staging did not finish"
+    return worker
+
+
 @pytest.fixture
 def serve(use_worker: Any) -> Iterator[Any]:
     """Start a Worker on a config, staged, with the views routed to it; shut down after the test."""
     started: list[Worker] = []
 
     def start(config: HypnosConfig) -> Worker:
-        worker = use_worker(Worker(config))
-        worker.start()
-        assert worker.wait_ready(60), "startup staging did not finish"
+        worker = staged(use_worker(Worker(config)))
         started.append(worker)
         return worker
 
@@ -114,10 +119,7 @@ def module_workers() -> Iterator[Callable[[HypnosConfig], Worker]]:
     def start(config: HypnosConfig) -> Worker:
         key = config.model_dump_json()
         if key not in workers:
-            worker = Worker(config)
-            worker.start()
-            assert worker.wait_ready(60), "startup staging did not finish"
-            workers[key] = worker
+            workers[key] = staged(Worker(config))
         return workers[key]
 
     yield start

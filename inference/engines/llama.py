@@ -22,6 +22,7 @@ from hypnos_site.errors import ContextLengthExceeded, InvalidRequest, ModelNotAv
 from inference.engines.base import ChatResult, ChatWork, DeltaSink, Engine, LoadPhases, PreparedPrompt
 from inference.engines.llama_io import AnswerOutput, json_grammar, oom_as_typed, template_message, token_logprobs
 from inference.engines.llama_offload import ExpertOffloadModel, expert_pattern
+from inference.engines.llama_sampling import Llama
 from inference.engines.llama_slots import SlotJob, SlotScheduler, seq_state, set_seq_state
 from inference.engines.text import StopMatcher
 from inference.engines.thinking import FORCED_CLOSE, OPEN, ThinkBlock
@@ -120,7 +121,7 @@ class LlamaEngine(Engine):
         _TimedContext.timing.sequences = self.model.slots
         ExpertOffloadModel.request(self._host_expert_patterns())
         try:
-            llm = llama_cpp.Llama(
+            llm = Llama(
                 model_path=self._warm.path,
                 n_ctx=context_len,
                 n_threads=self.n_threads,

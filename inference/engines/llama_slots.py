@@ -39,6 +39,7 @@ import llama_cpp._internals as internals
 
 from hypnos_site.errors import DeviceOutOfMemory, ServerError
 from inference.engines.base import ChatResult
+from inference.engines.llama_sampling import GrammarSampler
 from inference.engines.text import StopMatcher
 from memory.kv_park import ParkedSlot
 
@@ -53,7 +54,7 @@ class SlotJob:
     """One generation: prompt tokens in, tokens out through `emit`, a ChatResult at the end."""
 
     tokens: list[int]
-    sampler: internals.LlamaSampler
+    sampler: internals.LlamaSampler | GrammarSampler
     stops: StopMatcher
     max_tokens: int
     cancel: threading.Event

@@ -495,3 +495,40 @@ def test_a_whole_placement_offloads_every_layer_and_the_output_head():
     assert llama_gpu_layers(30, 24) == -1
     assert llama_gpu_layers(10, 24) == 10  # partial: as planned
     assert llama_gpu_layers(0, 24) == 0  # tier 1 simulated, or no GPU
+
+
+def _tiny_gguf(path: Path, context_length: int, vocab: int) -> None:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_context_length(context_length)
+    writer.add_token_list([f"token-{i}" for i in range(vocab)])
+    writer.add_tensor("token_embd.weight", np.zeros((vocab, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gguf_header_is_read_once_per_version_of_the_file(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    _tiny_gguf(path, 1024, 300)
+    first = read_gguf(path)
+    assert first.arch_int("context_length") == 1024
+    assert first.array_lengths["tokenizer.ggml.tokens"] == 300
+    assert first.tensors == [GgufTensor("token_embd.weight", 300 * 8 * 4)]
+    # Each caller gets its own containers: changing one copy changes no later read.
+    first.metadata["llama.context_length"] = 7
+    first.tensors.clear()
+    again = read_gguf(path)
+    assert again.arch_int("context_length") == 1024 and len(again.tensors) == 1
+    # A rewritten file (another size, another mtime) is read again, not served from the cache.
+    _tiny_gguf(path, 4096, 500)
+    rewritten = read_gguf(path)
+    assert rewritten.arch_int("context_length") == 4096
+    assert rewritten.array_lengths["tokenizer.ggml.tokens"] == 500
+    # A symlink to it reads the same version.
+    link = tmp_path / "link.gguf"
+    link.symlink_to(path)
+    assert read_gguf(link) == rewritten

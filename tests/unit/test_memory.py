@@ -8,7 +8,7 @@ import pytest
 
 from hypnos_site.config import BASE_DIR, load_config
 from memory.device import Device, DeviceCapabilities, HardwareLimits, probe_device
-from memory.gguf import GgufInfo, GgufTensor, read_gguf
+from memory.gguf import GgufInfo, GgufTensor, _read_version, read_gguf
 from memory.kv_park import KvParking, ParkedSlot, ParkedState
 from memory.manager import DecayingRate, NoRoom, TierManager
 from memory.planner import Footprint, footprint_from_gguf, footprint_from_info, plan_placement
@@ -518,10 +518,13 @@ def test_a_gguf_header_is_read_once_per_version_of_the_file(tmp_path):
     assert first.arch_int("context_length") == 1024
     assert first.array_lengths["tokenizer.ggml.tokens"] == 300
     assert first.tensors == [GgufTensor("token_embd.weight", 300 * 8 * 4)]
-    # Each caller gets its own containers: changing one copy changes no later read.
+    # Each caller gets its own containers: changing one copy changes no later read, which comes
+    # from the cache, not the file.
     first.metadata["llama.context_length"] = 7
     first.tensors.clear()
+    hits = _read_version.cache_info().hits
     again = read_gguf(path)
+    assert _read_version.cache_info().hits == hits + 1
     assert again.arch_int("context_length") == 1024 and len(again.tensors) == 1
     # A rewritten file (another size, another mtime) is read again, not served from the cache.
     _tiny_gguf(path, 4096, 500)

@@ -14,7 +14,6 @@ import asyncio
 import hashlib
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -62,20 +61,10 @@ class WeightsFacts:
         return self.metadata.get(f"{self.architecture}.{key}")
 
 
-@lru_cache(maxsize=64)
-def _facts(path: str, size: int, mtime_ns: int) -> WeightsFacts:
-    metadata: dict[str, Any] = {}
-    if path.endswith(".gguf"):
-        try:
-            metadata = dict(read_gguf(path).metadata)
-        except (GgufError, OSError):
-            metadata = {}
-    return WeightsFacts(size, mtime_ns / 1e9, metadata)
-
-
 def weights_facts(model: ModelConfig) -> WeightsFacts:
-    """The model's weights as they are on disk now (read once per size and mtime); empty
-    facts for a file that is missing. Reads the file: call it off the event loop."""
+    """The model's weights as they are on disk now (a GGUF header is read once per version of
+    the file: memory.gguf.read_gguf); empty facts for a file that is missing. Reads the file:
+    call it off the event loop."""
     path = settings.HYPNOS.weights_file(model)
     try:
         stat = path.stat()
@@ -84,8 +73,13 @@ def weights_facts(model: ModelConfig) -> WeightsFacts:
     size = stat.st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     aux = settings.HYPNOS.aux_file(model)
     extra = aux.stat().st_size if aux is not None and aux.is_file() else 0
-    facts = _facts(str(path), size, stat.st_mtime_ns)
-    return WeightsFacts(facts.size + extra, facts.modified, facts.metadata) if extra else facts
+    metadata: dict[str, Any] = {}
+    if path.suffix == ".gguf":
+        try:
+            metadata = read_gguf(path).metadata
+        except (GgufError, OSError):
+            metadata = {}
+    return WeightsFacts(size + extra, stat.st_mtime_ns / 1e9, metadata)
 
 
 # -- names -------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
 # each step is skipped when it is already done, so a second run takes seconds.
 #
 #   ./run.sh            serve on the configured port (default 9999), embedded deployment
-#   ./run.sh test [..]  run the whole test suite (arguments go to pytest)
+#   ./run.sh test [..]  run the whole test suite on two workers (arguments go to pytest instead)
 #   ./run.sh worker     run the inference worker of the distributed deployment
 #   ./run.sh jobs       run a Celery worker for the long jobs (document conversion) of the
 #                       distributed deployment (`celery -A hypnos_site worker` on the Redis broker)
@@ -144,8 +144,14 @@ case "$cmd" in
     ;;
   test)
     setup
-    # The whole suite (no arguments, as CI runs it) starts with the lint and type gates.
-    if [ $# -eq 0 ]; then lint; fi
+    # The whole suite (no arguments, as CI runs it) starts with the lint and type gates, and
+    # runs on two pytest-xdist workers, a module at a time each and never two memory-heavy
+    # modules at once (tests/lanes.py); HYPNOS_TEST_WORKERS=0 runs it serially. With arguments
+    # pytest runs as given (add -n 2 to spread a part of it the same way).
+    if [ $# -eq 0 ]; then
+      lint
+      set -- -n "${HYPNOS_TEST_WORKERS:-2}"
+    fi
     step "running the test suite"
     exec "$VENV/bin/python" -m pytest "$@"
     ;;

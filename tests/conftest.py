@@ -1,9 +1,11 @@
 """What the whole suite shares.
 
 The in-process worker of the integration tests (tests/integration/conftest.py `worker`) holds
-real engines; it is let go right after the last test of the run that uses it, so what it loaded
-does not stay in the pytest process through the end-to-end modules, which run after it
-(pytest-django runs the database tests first).
+real engines; it is let go before an end-to-end module (and at the end), so what it loaded does
+not stay in the pytest process beside that module's servers. A later in-process test starts a
+new one.
+
+`./run.sh test` runs the whole suite on two pytest-xdist workers, scheduled by tests/lanes.py.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,20 +27,27 @@ PARIS_MESSAGES = [
 # tests and CI skips none. Named on the command line (`pytest tests/gpu`) it is collected anyway.
 collect_ignore = [] if os.environ.get("HYPNOS_GPU_TESTS") == "1" else ["gpu"]
 
-_last_worker_user: list[str] = []
-# .ci/run's memory sampler reads which test is running from this file, to say where the peak is.
+# .ci/run's memory sampler reads which tests are running from these files (one per xdist
+# worker), to say where the peak is.
 _PROGRESS = os.environ.get("HYPNOS_CI_PROGRESS")
+if _PROGRESS and os.environ.get("PYTEST_XDIST_WORKER"):
+    _PROGRESS += "." + os.environ["PYTEST_XDIST_WORKER"]
 
 
 def pytest_runtest_logstart(nodeid: str, location: object) -> None:
     if _PROGRESS:
-        Path(_PROGRESS).write_text(nodeid)
+        Path(_PROGRESS).write_text(nodeid + "\n")
 
 
-@pytest.hookimpl(trylast=True)  # after pytest-django has put the tests in their running order
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    users = [item.nodeid for item in items if "worker" in getattr(item, "fixturenames", ())]
-    _last_worker_user[:] = users[-1:]
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Never two memory-heavy work units at once (tests/lanes.py), for xdist's
+    default distribution; an explicit other `--dist` keeps xdist's own scheduler."""
+    if config.getoption("dist") != "load":
+        return None
+    from tests.lanes import HeavyApart
+
+    return HeavyApart(config, log)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -45,7 +55,8 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     try:
         return (yield)
     finally:
-        if _last_worker_user and item.nodeid == _last_worker_user[0]:
+        e2e = "tests/e2e/"
+        if nextitem is None or (nextitem.nodeid.startswith(e2e) and not item.nodeid.startswith(e2e)):
             from inference.transport.runtime import runtime
 
             runtime.release()

@@ -20,9 +20,11 @@ from memory.tiers import MemoryTier
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def worker() -> Worker:
-    """The embedded worker with the real SmolLM2 model, staged once for the session."""
+    """The embedded worker with the real SmolLM2 model, staged at its first use; the same one for
+    every test until tests/conftest.py lets it go before an end-to-end module (then the next test
+    that asks for it starts a new one)."""
     worker = runtime.embedded_worker()
     assert worker.wait_ready(120), "startup staging did not finish"
     assert worker.models["smollm2-135m"].problem is None

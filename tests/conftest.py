@@ -50,6 +50,24 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return HeavyApart(config, log)
 
 
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """A report an xdist worker sends is UTF-8 only (execnet): the fuzz tests' lone surrogates,
+    in a captured log or a failure's text, are written as escapes instead of crashing the run."""
+    report: pytest.TestReport = yield
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        report.sections = [(title, _utf8(text)) for title, text in report.sections]
+        if report.longrepr is not None:
+            text = str(report.longrepr)
+            if _utf8(text) != text:
+                report.longrepr = _utf8(text)
+    return report
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     try:

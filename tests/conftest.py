@@ -11,6 +11,7 @@ new one.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from tests.lanes import HeavyApart
 
     return HeavyApart(config, log)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The in-process tests' data_dir (tests/settings.py) goes with the process."""
+    from django.conf import settings
+
+    if settings.configured and getattr(settings, "HYPNOS_TEST_DATA_DIR", None):
+        shutil.rmtree(settings.HYPNOS_TEST_DATA_DIR, ignore_errors=True)
 
 
 def _utf8(text: str) -> str:

@@ -1,9 +1,7 @@
 """Settings of the test suite: the production settings read with the suite's own config file,
 so a developer's hypnos.toml or HYPNOS_* variables never change what the tests see."""
 
-import atexit
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -21,8 +19,8 @@ _data_home = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "s
 os.environ["HYPNOS_MODELS_DIR"] = _given["HYPNOS_MODELS_DIR"] or str(
     Path(_given["HYPNOS_DATA_DIR"] or _data_home) / "models"
 )
-os.environ["HYPNOS_DATA_DIR"] = tempfile.mkdtemp(prefix="hypnos-test-data-")
-atexit.register(shutil.rmtree, os.environ["HYPNOS_DATA_DIR"], ignore_errors=True)
+# Removed by tests/conftest.py's pytest_unconfigure (an xdist worker ends without atexit).
+HYPNOS_TEST_DATA_DIR = os.environ["HYPNOS_DATA_DIR"] = tempfile.mkdtemp(prefix="hypnos-test-data-")
 
 from hypnos_site.settings import *  # noqa: E402,F403
 

@@ -42,13 +42,19 @@ def pytest_runtest_logstart(nodeid: str, location: object) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Never two memory-heavy work units at once (tests/lanes.py), for xdist's
-    default distribution; an explicit other `--dist` keeps xdist's own scheduler."""
+    """Work units within a memory budget (tests/lanes.py) for xdist's default `--dist load`;
+    another `--dist` keeps xdist's own scheduler."""
     if config.getoption("dist") != "load":
         return None
-    from tests.lanes import HeavyApart
+    from tests.lanes import Budgeted
 
-    return HeavyApart(config, log)
+    return Budgeted(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from tests import lanes
+
+    lanes.configure(config)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -25,6 +25,7 @@ import pytest
 import redis
 
 from hypnos_site.config import BASE_DIR, load_config
+from tests import lanes
 from tests.e2e.playground import artifacts as artifacts  # the browser tests' screenshot folder (a fixture)
 
 REDIS_URL = os.environ.get("HYPNOS_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -447,6 +448,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         for name in SharedServers.uses(item):
             SHARED.last_user[name] = item.nodeid
+    # The suite's two workers run each shared server's tests whole on one of them (tests/lanes.py).
+    names = ("embedded", "keyed", "", "distributed")
+    lanes.publish({items[i].nodeid: names[_server_group(items[i])] for i in e2e if _server_group(items[i]) != 2})
 
 
 @pytest.hookimpl(wrapper=True)

@@ -42,30 +42,6 @@ if [ "${HYPNOS_GPU:-}" = "cuda" ]; then
   SDCPP_CMAKE_ARGS="$SDCPP_CMAKE_ARGS -DSD_CUDA=ON"
 fi
 
-# How many pytest-xdist workers the whole suite runs on: HYPNOS_TEST_WORKERS, else 2 while the
-# machine's CPUs are at least half idle over a second (a serial run leaves one of two cores idle
-# ~40 % of the time), else 0, serially: on a machine already busy a second worker only slows
-# every test further.
-test_workers() {
-  if [ -n "${HYPNOS_TEST_WORKERS:-}" ]; then
-    echo "$HYPNOS_TEST_WORKERS"
-    return
-  fi
-  [ -r /proc/stat ] || { echo 2; return; }
-  local _ u1 n1 s1 i1 w1 q1 sq1 st1 u2 n2 s2 i2 w2 q2 sq2 st2 busy idle
-  read -r _ u1 n1 s1 i1 w1 q1 sq1 st1 _ < /proc/stat
-  sleep 1
-  read -r _ u2 n2 s2 i2 w2 q2 sq2 st2 _ < /proc/stat
-  busy=$(((u2 + n2 + s2 + q2 + sq2 + st2) - (u1 + n1 + s1 + q1 + sq1 + st1)))
-  idle=$(((i2 + w2) - (i1 + w1)))
-  if [ $((idle * 2)) -ge $((busy + idle)) ]; then
-    echo 2
-  else
-    step "the CPUs are busy: the suite runs serially (HYPNOS_TEST_WORKERS=2 to spread it anyway)"
-    echo 0
-  fi
-}
-
 step() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 pip_() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 stamp_ok() { [ -f "$VENV/.stamp-$1" ] && [ "$(cat "$VENV/.stamp-$1")" = "$2" ]; }
@@ -169,11 +145,11 @@ case "$cmd" in
   test)
     setup
     # The whole suite (no arguments, as CI runs it) starts with the lint and type gates, and
-    # runs on test_workers() pytest-xdist workers, scheduled by tests/lanes.py. With arguments
-    # pytest runs as given (add -n 2 to spread a part of it the same way).
+    # runs on two pytest-xdist workers, scheduled by tests/lanes.py (HYPNOS_TEST_WORKERS=0: serially).
+    # With arguments pytest runs as given (add -n 2 to spread a part of it the same way).
     if [ $# -eq 0 ]; then
       lint
-      set -- -n "$(test_workers)"
+      set -- -n "${HYPNOS_TEST_WORKERS:-2}"
     fi
     step "running the test suite"
     exec "$VENV/bin/python" -m pytest "$@"

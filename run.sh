@@ -145,11 +145,13 @@ case "$cmd" in
   test)
     setup
     # The whole suite (no arguments, as CI runs it) starts with the lint and type gates, and
-    # runs on two pytest-xdist workers, scheduled by tests/lanes.py (HYPNOS_TEST_WORKERS=0: serially).
-    # With arguments pytest runs as given (add -n 2 to spread a part of it the same way).
+    # runs serially; HYPNOS_TEST_WORKERS=2 spreads it over two pytest-xdist workers scheduled by
+    # tests/lanes.py (10 min instead of 12.5), not the default while the web process can wedge
+    # after a Redis restart on a busy machine (test_hardening_faults failed so in 1 of 4 idle
+    # two-worker runs). With arguments pytest runs as given (add -n 2 to spread a part of it).
     if [ $# -eq 0 ]; then
       lint
-      set -- -n "${HYPNOS_TEST_WORKERS:-2}"
+      set -- -n "${HYPNOS_TEST_WORKERS:-0}"
     fi
     step "running the test suite"
     exec "$VENV/bin/python" -m pytest "$@"

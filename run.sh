@@ -5,7 +5,7 @@
 # each step is skipped when it is already done, so a second run takes seconds.
 #
 #   ./run.sh            serve on the configured port (default 9999), embedded deployment
-#   ./run.sh test [..]  run the whole test suite on two workers (arguments go to pytest instead)
+#   ./run.sh test [..]  run the whole test suite (arguments go to pytest; HYPNOS_TEST_WORKERS=2: two workers)
 #   ./run.sh worker     run the inference worker of the distributed deployment
 #   ./run.sh jobs       run a Celery worker for the long jobs (document conversion) of the
 #                       distributed deployment (`celery -A hypnos_site worker` on the Redis broker)

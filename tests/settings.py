@@ -14,11 +14,10 @@ for _name in ("HYPNOS_API_KEYS", "HYPNOS_DEPLOYMENT", "HYPNOS_DATABASE_URL", "HY
 # (several tests assert the spool is empty after theirs); the models stay where `./run.sh setup`
 # placed them. Only this process's config reads the two variables: the servers a test starts
 # get their own (tests/e2e/conftest.py base_env).
+from hypnos_site.config import load_config  # noqa: E402
+
 _given = {name: os.environ.get(name) for name in ("HYPNOS_MODELS_DIR", "HYPNOS_DATA_DIR")}
-_data_home = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "hypnos"
-os.environ["HYPNOS_MODELS_DIR"] = _given["HYPNOS_MODELS_DIR"] or str(
-    Path(_given["HYPNOS_DATA_DIR"] or _data_home) / "models"
-)
+os.environ["HYPNOS_MODELS_DIR"] = str(load_config().models_dir)
 # Removed by tests/conftest.py's pytest_unconfigure (an xdist worker ends without atexit).
 HYPNOS_TEST_DATA_DIR = os.environ["HYPNOS_DATA_DIR"] = tempfile.mkdtemp(prefix="hypnos-test-data-")
 

@@ -4,7 +4,7 @@ SIGTERM drains (what a process manager or a rolling deploy sends): the process s
 at once, so new connections go to the other web processes, lets the requests in flight finish
 (streams to their last byte) for up to `server.shutdown_drain_secs`, then exits 0 (or 1 when
 the engines' shutdown overruns its grace: hypnos_site/hard_stop.py). SIGINT
-(Ctrl-C) still stops at once.
+(Ctrl-C) still stops at once. SIGUSR1 logs what every request is waiting on (hypnos_site/taskdump.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from daphne.cli import CommandLineInterface
 from daphne.server import Server
 from twisted.internet import reactor
 
-from hypnos_site import edge
+from hypnos_site import edge, taskdump
 from hypnos_site.config import ConfigError, get_config
 from hypnos_site.hard_stop import exit_after
 
@@ -41,6 +41,7 @@ class DrainingServer(Server):
     def run(self) -> None:
         # Twisted binds reactor.sigTerm as the SIGTERM handler when the reactor starts.
         reactor.sigTerm = self._sigterm  # type: ignore[attr-defined]
+        taskdump.install(lambda: reactor._asyncioEventloop, reactor.callFromThread)  # type: ignore[attr-defined]
         super().run()
 
     def listen_success(self, port: Any) -> None:

@@ -1,7 +1,9 @@
 """Settings of the test suite: the production settings read with the suite's own config file,
 so a developer's hypnos.toml or HYPNOS_* variables never change what the tests see."""
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -18,8 +20,10 @@ from hypnos_site.config import load_config  # noqa: E402
 
 _given = {name: os.environ.get(name) for name in ("HYPNOS_MODELS_DIR", "HYPNOS_DATA_DIR")}
 os.environ["HYPNOS_MODELS_DIR"] = str(load_config().models_dir)
-# Removed by tests/conftest.py's pytest_unconfigure (an xdist worker ends without atexit).
+# Removed at exit (a `manage.py` a test runs reads these settings too), and by tests/conftest.py's
+# pytest_unconfigure (an xdist worker ends without atexit).
 HYPNOS_TEST_DATA_DIR = os.environ["HYPNOS_DATA_DIR"] = tempfile.mkdtemp(prefix="hypnos-test-data-")
+atexit.register(shutil.rmtree, HYPNOS_TEST_DATA_DIR, ignore_errors=True)
 
 from hypnos_site.settings import *  # noqa: E402,F403
 

@@ -85,6 +85,12 @@ REPLY_DEADLINE_SECS = 1.5
 # A worker that announces itself but sends this request nothing for this long is lost even so:
 # its event loop runs (it announces), so this request's relay is stuck.
 SILENCE_CAP_SECS = 10.0
+# An abort that could not be sent (Redis down) is sent again every ABORT_RETRY_SECS, for as long
+# as a reply nobody reads stays in Redis (channels_redis's message expiry, 60 s).
+ABORT_RETRY_SECS = 0.5
+ABORT_RETRY_FOR_SECS = 60.0
+# The aborts being retried: a task is kept until it ends (asyncio keeps only a weak reference).
+_aborts_retrying: set[asyncio.Task[None]] = set()
 WORKER_LOST = (
     "The inference worker stopped answering (nothing for {secs:g} s); it is being restarted or is gone. Retry shortly."
 )
@@ -559,8 +565,32 @@ class _ChannelCall(InferenceCall):
         try:
             await within(_guarded(self.layer.send(self.worker_channel, abort)), REPLY_DEADLINE_SECS)
         except (ModelNotAvailable, TimeoutError) as exc:
-            # The worker stops the request itself once its replies cannot be sent.
-            log.warning("request %s: the abort did not reach the worker: %s", self.request_id, exc)
+            log.warning(
+                "request %s: the abort did not reach the worker: %s; trying again for up to %g s",
+                self.request_id,
+                exc,
+                ABORT_RETRY_FOR_SECS,
+            )
+            task = asyncio.get_running_loop().create_task(_send_abort_later(self.layer, self.worker_channel, abort))
+            _aborts_retrying.add(task)
+            task.add_done_callback(_aborts_retrying.discard)
+
+
+async def _send_abort_later(layer: Any, channel: str, abort: dict[str, Any]) -> None:
+    """Send an abort that Redis refused until it gets through, for up to ABORT_RETRY_FOR_SECS.
+    A worker whose replies still reach Redis (its own sends retry through a short outage) would
+    otherwise generate to max_tokens for a client that is gone, holding the model's slot while
+    the requests after it wait."""
+    deadline = time.monotonic() + ABORT_RETRY_FOR_SECS
+    while time.monotonic() < deadline:
+        await asyncio.sleep(ABORT_RETRY_SECS)
+        try:
+            await within(_guarded(layer.send(channel, abort)), REPLY_DEADLINE_SECS)
+        except (ModelNotAvailable, TimeoutError):
+            continue
+        log.info("request %s: the abort reached the worker on a later try", abort["request_id"])
+        return
+    log.warning("request %s: the abort never reached the worker", abort["request_id"])
 
 
 async def _guarded(operation: Awaitable[Any]) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import signal
 import subprocess
 import threading
@@ -273,6 +274,15 @@ def test_a_redis_outage_is_a_503_and_the_service_resumes_when_redis_is_back(depl
         deployment.start_redis()
     answer = wait_served(deployment.base_url, timeout=60)
     assert answer.json()["choices"][0]["message"]["content"]
+    # An abort of the stream that Redis refused was sent again once it was back: the worker
+    # stopped the story instead of generating it for nobody, holding the model's slot (on a busy
+    # machine, for longer than the requests behind it waited).
+    refused_aborts = re.findall(r"request (\S+): the abort did not reach the worker", deployment.web.log.read_text())
+    deadline = time.monotonic() + 30
+    for request_id in refused_aborts:
+        while f"request {request_id}: the abort reached the worker" not in deployment.web.log.read_text():
+            assert time.monotonic() < deadline, deployment.web.tail()
+            time.sleep(0.2)
 
 
 def test_without_a_worker_a_chat_is_a_503_within_the_ack_timeout(deployment):

@@ -7,16 +7,19 @@ made small here so that the test drives them with its own clock."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import defaultdict
 from typing import Any
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from hypnos_site.errors import ModelNotAvailable
 from inference.transport import client, cluster
 from inference.transport.client import ChannelLayerTransport
 from inference.transport.cluster import WorkerDirectory
+from inference.transport.deadline import within
 from inference.transport.wire import Accepted, ControlRequest, Heartbeat, Result, WorkerAnnouncement, encode_event
 from tests.unit.test_cluster import worker
 
@@ -179,3 +182,71 @@ async def test_a_worker_announces_itself_while_its_own_process_holds_its_key(mon
     assert not await directory.announces(a)
     monkeypatch.setattr(cluster, "worker_key", lambda worker_id: "down")
     assert not await directory.announces(a)  # Redis unreachable
+
+
+class DownLayer(Layer):
+    """A channel layer whose Redis is down (every send refused) until `down` is cleared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = False
+
+    async def send(self, channel: str, message: dict[str, Any]) -> None:
+        if self.down:
+            raise RedisConnectionError("Error 111 connecting to 127.0.0.1:6379. Connect call failed.")
+        await super().send(channel, message)
+
+
+async def accepted_call(layer: Layer) -> Any:
+    """A call to worker "a" that the worker accepted (it runs: an abort goes to its channel)."""
+    a = announcement("a")
+    call = await ChannelLayerTransport(layer, 60.0, Directory(a)).send(status_request(), a)
+    (_, request), *_ = layer.sent
+    await layer.reply(request, 0, Accepted(worker_channel=a.channel), Heartbeat())
+    with contextlib.suppress(TimeoutError):  # accepted; nothing else comes
+        await within(call.next_event(), DEADLINE / 2)
+    assert call.worker_channel == a.channel
+    return call
+
+
+def aborts(layer: Layer) -> list[tuple[str, str]]:
+    return [(channel, m["request_id"]) for channel, m in layer.sent if m.get("type") == "inference.abort"]
+
+
+async def test_an_abort_that_redis_refused_is_sent_again_once_redis_is_back(monkeypatch):
+    """The client left while Redis was down (its stream ended with an error chunk): the worker,
+    whose own sends retry through the outage, would generate to max_tokens for nobody, holding
+    the model's slot while the next requests wait. The abort gets through once Redis is back."""
+    monkeypatch.setattr(client, "ABORT_RETRY_SECS", DEADLINE / 2)
+    layer = DownLayer()
+    call = await accepted_call(layer)
+    layer.down = True
+    started = time.monotonic()
+    await call.abort()  # never raises; returns without waiting for Redis
+    assert time.monotonic() - started < DEADLINE + SLACK
+    assert aborts(layer) == []
+    await asyncio.sleep(4 * DEADLINE)  # still down: tried, refused, nothing sent
+    assert aborts(layer) == [] and client._aborts_retrying
+    layer.down = False
+    deadline = time.monotonic() + SLACK
+    while not aborts(layer) and time.monotonic() < deadline:
+        await asyncio.sleep(DEADLINE / 4)
+    assert aborts(layer) == [(call.worker_channel, call.request_id)]
+    await asyncio.sleep(4 * DEADLINE)
+    assert len(aborts(layer)) == 1  # once
+    assert not client._aborts_retrying
+
+
+async def test_an_abort_retried_while_redis_stays_down_gives_up(monkeypatch, caplog):
+    monkeypatch.setattr(client, "ABORT_RETRY_SECS", DEADLINE / 2)
+    monkeypatch.setattr(client, "ABORT_RETRY_FOR_SECS", 3 * DEADLINE)
+    layer = DownLayer()
+    call = await accepted_call(layer)
+    layer.down = True
+    await call.abort()
+    deadline = time.monotonic() + SLACK
+    while client._aborts_retrying and time.monotonic() < deadline:
+        await asyncio.sleep(DEADLINE / 4)
+    assert not client._aborts_retrying
+    assert aborts(layer) == []
+    assert "the abort never reached the worker" in caplog.text

@@ -25,6 +25,7 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
+from hypnos_site import taskdump
 from hypnos_site.config import BASE_DIR
 from hypnos_site.hard_stop import exit_after
 from inference.worker import Worker
@@ -71,6 +72,7 @@ class Command(BaseCommand):
         cut_after = drain_secs + settings.HYPNOS.server.shutdown_grace_secs
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, _stop, stop, cut_after)
+        taskdump.install(lambda: loop, loop.call_soon_threadsafe)
         # The pool: the config file's models with the run-time changes kept in the database.
         worker = Worker(await sync_to_async(with_overlay)(settings.HYPNOS))
         worker.start()

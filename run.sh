@@ -5,7 +5,7 @@
 # each step is skipped when it is already done, so a second run takes seconds.
 #
 #   ./run.sh            serve on the configured port (default 9999), embedded deployment
-#   ./run.sh test [..]  run the whole test suite (arguments go to pytest; HYPNOS_TEST_WORKERS=2: two workers)
+#   ./run.sh test [..]  run the whole test suite (arguments go to pytest; HYPNOS_TEST_WORKERS=0: serially)
 #   ./run.sh worker     run the inference worker of the distributed deployment
 #   ./run.sh jobs       run a Celery worker for the long jobs (document conversion) of the
 #                       distributed deployment (`celery -A hypnos_site worker` on the Redis broker)
@@ -145,13 +145,12 @@ case "$cmd" in
   test)
     setup
     # The whole suite (no arguments, as CI runs it) starts with the lint and type gates, and
-    # runs serially; HYPNOS_TEST_WORKERS=2 spreads it over two pytest-xdist workers scheduled by
-    # tests/lanes.py (10 min instead of 12.5), not the default while the web process can wedge
-    # after a Redis restart on a busy machine (test_hardening_faults failed so in 1 of 4 idle
-    # two-worker runs). With arguments pytest runs as given (add -n 2 to spread a part of it).
+    # runs on two pytest-xdist workers scheduled by tests/lanes.py (10 min instead of 12.5
+    # serially; HYPNOS_TEST_WORKERS=0 runs it serially). With arguments pytest runs as given
+    # (add -n 2 to spread a part of it).
     if [ $# -eq 0 ]; then
       lint
-      set -- -n "${HYPNOS_TEST_WORKERS:-0}"
+      set -- -n "${HYPNOS_TEST_WORKERS:-2}"
     fi
     step "running the test suite"
     exec "$VENV/bin/python" -m pytest "$@"

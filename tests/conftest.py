@@ -5,8 +5,8 @@ real engines; it is let go before an end-to-end module (and at the end), so what
 not stay in the pytest process beside that module's servers. A later in-process test starts a
 new one.
 
-`HYPNOS_TEST_WORKERS=2 ./run.sh test` runs the whole suite on two pytest-xdist workers, scheduled
-by tests/lanes.py.
+`./run.sh test` runs the whole suite on two pytest-xdist workers (HYPNOS_TEST_WORKERS, 2 by
+default; 0: serially), scheduled by tests/lanes.py.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """How the whole suite shares the machine's two cores (issue 31): two pytest-xdist workers, with
 a memory weight per work unit and a budget for the two together.
 
-`HYPNOS_TEST_WORKERS=2 ./run.sh test` runs the whole suite with `-n 2` (not yet the default:
-docs/tests.md says why). A serial run leaves a core idle about 40 % of the time (a server
+`./run.sh test` runs the whole suite with `-n 2` (`HYPNOS_TEST_WORKERS`, 2 by default; 0 runs it
+serially). A serial run leaves a core idle about 40 % of the time (a server
 starting, a subprocess waited on, a browser), so two workers finish sooner;
 but two of the suite's largest parts side by side (the end-to-end servers with their lineups,
 the in-process 1.5B model) would take the machine past the 6 GB the suite may use. So:

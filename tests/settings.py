@@ -7,6 +7,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import psutil
+
 os.environ["HYPNOS_CONFIG"] = str(Path(__file__).with_name("hypnos.test.toml"))
 for _name in ("HYPNOS_API_KEYS", "HYPNOS_DEPLOYMENT", "HYPNOS_DATABASE_URL", "HYPNOS_PORT", "HYPNOS_HOST"):
     os.environ.pop(_name, None)
@@ -20,9 +22,18 @@ from hypnos_site.config import load_config  # noqa: E402
 
 _given = {name: os.environ.get(name) for name in ("HYPNOS_MODELS_DIR", "HYPNOS_DATA_DIR")}
 os.environ["HYPNOS_MODELS_DIR"] = str(load_config().models_dir)
-# Removed at exit (a `manage.py` a test runs reads these settings too), and by tests/conftest.py's
-# pytest_unconfigure (an xdist worker ends without atexit).
-HYPNOS_TEST_DATA_DIR = os.environ["HYPNOS_DATA_DIR"] = tempfile.mkdtemp(prefix="hypnos-test-data-")
+# One folder per process under TEST_DATA_ROOT, named by its pid. Removed at exit, and by
+# tests/conftest.py's pytest_unconfigure (an xdist worker ends without atexit); those of
+# processes that ended without either (mypy's django plugin reads these settings and leaves by
+# os._exit) are swept by the next process that reads them.
+TEST_DATA_ROOT = Path(tempfile.gettempdir()) / "hypnos-test-data"
+TEST_DATA_ROOT.mkdir(exist_ok=True)
+for _left in TEST_DATA_ROOT.iterdir():
+    _pid = _left.name.partition("-")[0]
+    if _pid.isdigit() and not psutil.pid_exists(int(_pid)):
+        shutil.rmtree(_left, ignore_errors=True)
+HYPNOS_TEST_DATA_DIR = tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=TEST_DATA_ROOT)
+os.environ["HYPNOS_DATA_DIR"] = HYPNOS_TEST_DATA_DIR
 atexit.register(shutil.rmtree, HYPNOS_TEST_DATA_DIR, ignore_errors=True)
 
 from hypnos_site.settings import *  # noqa: E402,F403

@@ -50,7 +50,9 @@ for _name, _value in _given.items():
 # (the request log, the Celery jobs of the embedded deployment, the picture store).
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":  # noqa: F405
     DATABASES["default"]["TEST"] = {  # noqa: F405
-        "NAME": str(Path(tempfile.gettempdir()) / f"hypnos-test-{os.getpid()}.sqlite3")
+        # In the process's data dir: its -wal and -shm files, which can outlive the database
+        # pytest-django deletes, go with the folder.
+        "NAME": str(Path(HYPNOS_TEST_DATA_DIR) / "test.sqlite3")
     }
 
 # The admin tests' operators: a password hash made in microseconds, not PBKDF2's ~0.4 s (Django's

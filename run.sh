@@ -145,7 +145,7 @@ case "$cmd" in
   test)
     setup
     # The whole suite (no arguments, as CI runs it) starts with the lint and type gates, and
-    # runs on two pytest-xdist workers scheduled by tests/lanes.py (10 min instead of 12.5
+    # runs on two pytest-xdist workers scheduled by tests/lanes.py (11 min instead of 12.5
     # serially; HYPNOS_TEST_WORKERS=0 runs it serially). With arguments pytest runs as given
     # (add -n 2 to spread a part of it).
     if [ $# -eq 0 ]; then

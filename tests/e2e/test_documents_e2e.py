@@ -127,15 +127,22 @@ def test_expired_pictures_are_gone_from_every_web_process(distributed: Server, f
 def test_the_job_runs_on_the_celery_worker_and_its_state_is_in_the_database(distributed: Server, files):
     response = convert(distributed.base_url, files["pdf"])
     assert response.status_code == 200
-    with psycopg.connect(distributed.env["HYPNOS_DATABASE_URL"]) as conn:
+    with psycopg.connect(distributed.env["HYPNOS_DATABASE_URL"], autocommit=True) as conn:
         job = conn.execute(
             "SELECT id, state, pages_done FROM logs_documentjob WHERE request_id = %s",
             (response.headers["x-request-id"],),
         ).fetchone()
         assert job is not None and job[1:] == ("done", 3)
-        task = conn.execute(
-            "SELECT status, worker FROM django_celery_results_taskresult WHERE task_id = %s", (job[0],)
-        ).fetchone()
+        # Celery records SUCCESS once the task function has returned, which can come after the
+        # response's last byte (the job's state is written first): wait for it.
+        deadline = time.monotonic() + 30
+        while True:
+            task = conn.execute(
+                "SELECT status, worker FROM django_celery_results_taskresult WHERE task_id = %s", (job[0],)
+            ).fetchone()
+            if (task is not None and task[0] == "SUCCESS") or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     assert task is not None and task[0] == "SUCCESS" and task[1].startswith("celery@")
     celery_log = next(p for p in distributed.procs if p.name.startswith("celery")).log.read_text(errors="replace")
     assert job[0] in celery_log
